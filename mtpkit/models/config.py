@@ -1,0 +1,196 @@
+"""Model configuration, built from a checkpoint's own `config.json` (no hand-kept size tables).
+
+One dataclass covers every supported family; the family only decides a handful of switches (norm flavour,
+output gate, QK-norm, hybrid layers, MoE). Field names follow the HF config keys where they exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+# text model_type -> family switches. VLM wrappers (qwen3_5, qwen3_vl, ...) resolve to their text_config.
+_FAMILIES = {
+    "llama": dict(),
+    "qwen2": dict(qkv_bias=True),
+    "qwen3": dict(qk_norm=True),
+    "qwen3_vl_text": dict(qk_norm=True),
+    "qwen3_5_text": dict(qk_norm=True, zero_centered_norm=True, attn_output_gate=True, hybrid=True),
+    "qwen3_5_moe_text": dict(qk_norm=True, zero_centered_norm=True, attn_output_gate=True, hybrid=True),
+    "qwen3_next": dict(qk_norm=True, zero_centered_norm=True, attn_output_gate=True, hybrid=True, fused_gdn_proj=True),
+}
+_VLM_WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl": "qwen3_vl_text"}
+SUPPORTED_MODEL_TYPES = tuple(sorted(set(_FAMILIES) | set(_VLM_WRAPPERS)))
+
+
+class ConfigError(ValueError):
+    """A config.json that mtpkit cannot build a model from."""
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    # rotary: partial (first rotary_dim of head_dim), optionally interleaved MRoPE over (t, h, w) rows
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 1.0
+    mrope_section: tuple[int, ...] | None = None
+    rope_scaling: dict | None = None
+    # family switches
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    zero_centered_norm: bool = False
+    attn_output_gate: bool = False
+    hybrid: bool = False
+    fused_gdn_proj: bool = False
+    layer_types: tuple[str, ...] = ()
+    # Gated DeltaNet
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    # MoE
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # MTP
+    mtp_num_hidden_layers: int = 0
+    extra: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (
+            self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+        )
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def text_config_dict(raw: dict) -> tuple[dict, bool]:
+    """The text part of a config.json and whether the checkpoint uses the VLM layout."""
+    model_type = raw.get("model_type")
+    if model_type in _VLM_WRAPPERS:
+        if "text_config" not in raw:
+            raise ConfigError(f"config.json has model_type '{model_type}' but no text_config: the file is incomplete")
+        text = dict(raw["text_config"])
+        text.setdefault("model_type", _VLM_WRAPPERS[model_type])
+        # tie_word_embeddings sometimes lives only at the top level of released VLM configs
+        if "tie_word_embeddings" not in text and "tie_word_embeddings" in raw:
+            text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+        if "mtp_num_hidden_layers" not in text and "mtp_num_hidden_layers" in raw:
+            text["mtp_num_hidden_layers"] = raw["mtp_num_hidden_layers"]
+        return text, True
+    return raw, False
+
+
+def _rope(c: dict) -> tuple[float, float, tuple[int, ...] | None, dict | None]:
+    rope = dict(c.get("rope_scaling") or {})
+    rope.update(c.get("rope_parameters") or {})
+    theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
+    partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor"))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    mrope = rope.get("mrope_section")
+    scaling = None
+    if rope_type == "llama3":
+        scaling = {k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    elif rope_type not in ("default", "mrope"):
+        raise ConfigError(f"rope_type '{rope_type}' is not supported; supported: default, llama3, mrope")
+    return theta, partial, tuple(mrope) if mrope else None, scaling
+
+
+def config_from_hf(raw: dict) -> ModelConfig:
+    """Build a ModelConfig from a parsed config.json (top level or VLM layout)."""
+    c, _ = text_config_dict(raw)
+    model_type = c.get("model_type")
+    if model_type not in _FAMILIES:
+        raise ConfigError(
+            f"model_type '{model_type}' is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    family = _FAMILIES[model_type]
+    try:
+        hidden, heads = c["hidden_size"], c["num_attention_heads"]
+        n_layers = c["num_hidden_layers"]
+        theta, partial, mrope, scaling = _rope(c)
+        if family.get("hybrid"):
+            partial = 0.25 if partial is None else partial
+            # Qwen3-Next uses plain 1-D RoPE; Qwen3.5 defaults to interleaved MRoPE [11, 11, 10]
+            mrope = None if model_type == "qwen3_next" else (mrope or (11, 11, 10))
+        layer_types = c.get("layer_types")
+        if layer_types is None:
+            if family.get("hybrid"):
+                interval = c.get("full_attention_interval", 4)
+                layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
+            else:
+                layer_types = ["full_attention"] * n_layers
+        mtp_layers = c.get("mtp_num_hidden_layers", c.get("num_nextn_predict_layers", 0))
+        if model_type == "qwen3_next" and "mtp_num_hidden_layers" not in c and "num_nextn_predict_layers" not in c:
+            mtp_layers = 0
+        cfg = ModelConfig(
+            model_type=model_type,
+            vocab_size=c["vocab_size"],
+            hidden_size=hidden,
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or hidden // heads,
+            intermediate_size=c.get("intermediate_size", 0),
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            hidden_act=c.get("hidden_act", "silu"),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            max_position_embeddings=c.get("max_position_embeddings", 4096),
+            rope_theta=theta,
+            partial_rotary_factor=1.0 if partial is None else partial,
+            mrope_section=mrope,
+            rope_scaling=scaling,
+            qkv_bias=family.get("qkv_bias", False) or bool(c.get("attention_bias", False)),
+            o_bias=bool(c.get("attention_bias", False)) and model_type == "llama",
+            mlp_bias=bool(c.get("mlp_bias", False)),
+            qk_norm=family.get("qk_norm", False),
+            zero_centered_norm=family.get("zero_centered_norm", False),
+            attn_output_gate=family.get("attn_output_gate", False) and c.get("attn_output_gate", True),
+            hybrid=family.get("hybrid", False),
+            fused_gdn_proj=family.get("fused_gdn_proj", False),
+            layer_types=tuple(layer_types),
+            linear_num_key_heads=c.get("linear_num_key_heads", 0),
+            linear_num_value_heads=c.get("linear_num_value_heads", 0),
+            linear_key_head_dim=c.get("linear_key_head_dim", 0),
+            linear_value_head_dim=c.get("linear_value_head_dim", 0),
+            linear_conv_kernel_dim=c.get("linear_conv_kernel_dim", 4),
+            num_experts=c.get("num_experts", 0) or 0,
+            num_experts_per_tok=c.get("num_experts_per_tok", 0) or 0,
+            moe_intermediate_size=c.get("moe_intermediate_size", 0) or 0,
+            shared_expert_intermediate_size=c.get("shared_expert_intermediate_size", 0) or 0,
+            # Qwen3.5-MoE always renormalises top-k and its config has no such field
+            norm_topk_prob=bool(c.get("norm_topk_prob", True)),
+            decoder_sparse_step=c.get("decoder_sparse_step", 1) or 1,
+            mlp_only_layers=tuple(c.get("mlp_only_layers") or ()),
+            mtp_num_hidden_layers=int(mtp_layers or 0),
+        )
+    except KeyError as e:
+        raise ConfigError(f"config.json lacks the required key {e.args[0]!r} for model_type '{model_type}'") from None
+    if len(cfg.layer_types) != n_layers:
+        raise ConfigError(f"layer_types has {len(cfg.layer_types)} entries but num_hidden_layers is {n_layers}")
+    if c.get("use_sliding_window"):
+        raise ConfigError("sliding-window attention (use_sliding_window=true) is not supported")
+    return cfg

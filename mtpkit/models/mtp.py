@@ -1,0 +1,59 @@
+"""The sequential MTP module (DeepSeek-V3 / Qwen3.5 layout) and `add_mtp` for models released without one."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from .block import Context, DecoderLayer
+from .config import ModelConfig
+from .init import init_weights
+from .layers import RMSNorm
+
+
+class MTP(nn.Module):
+    """Sequential MTP module (DeepSeek-V3 / Qwen3.5 layout), one full-attention decoder layer per depth:
+    norm(layer(fc(cat[pre_fc_norm_embedding(emb(t_{i+d})), pre_fc_norm_hidden(h_i)])))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h, eps, zc = config.hidden_size, config.rms_norm_eps, config.zero_centered_norm
+        self.pre_fc_norm_embedding = RMSNorm(h, eps, zc)
+        self.pre_fc_norm_hidden = RMSNorm(h, eps, zc)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, "full_attention", config.num_experts > 0)
+            for _ in range(config.mtp_num_hidden_layers)
+        )
+        self.norm = RMSNorm(h, eps, zc)
+
+    def forward(self, embeds, hidden, ctx: Context, depth: int, cache=None) -> torch.Tensor:
+        """embeds, hidden [B, T, H] -> post-norm output [B, T, H]. Depth d uses layer min(d, D) - 1."""
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        x = self.layers[min(depth, len(self.layers)) - 1](x, ctx, cache)
+        return self.norm(x)
+
+
+def add_mtp(model: nn.Module, depth: int = 1, init: str = "random") -> nn.Module:
+    """Give a model without one (Qwen3-VL, Llama, SmolLM2) an MTP module of `depth` layers, in place.
+
+    init="random": normal(0.02) weights, identity norms. init="last_layer": every MTP decoder layer starts as a
+    copy of the trunk's last full-attention layer (its MLP too), the rest random.
+    """
+    if init not in ("random", "last_layer"):
+        raise ValueError(f"init must be 'random' or 'last_layer', not {init!r}")
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, not {depth}")
+    cfg = model.config.replace(mtp_num_hidden_layers=depth)
+    ref = model.model.embed_tokens.weight
+    mtp = MTP(cfg).to(device=ref.device, dtype=ref.dtype)
+    init_weights(mtp)
+    if init == "last_layer":
+        last = next(l for l in reversed(model.model.layers) if l.layer_type == "full_attention")
+        for layer in mtp.layers:
+            layer.load_state_dict(copy.deepcopy(last.state_dict()))
+    model.config = cfg
+    model.mtp = mtp
+    return model

@@ -1,0 +1,151 @@
+"""The decoder-only language model shared by every family, plus its optional MTP module.
+
+Parameter names are the HF checkpoint names of the text layout (`model.embed_tokens`, `model.layers.{i}...`,
+`model.norm`, `lm_head`, `mtp.*`), so loading is a near-identity map.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .block import Context, DecoderLayer
+from .config import ModelConfig
+from .layers import RMSNorm, rope_cos_sin
+from .mtp import MTP
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor | None  # [B, T, V]
+    hidden: torch.Tensor  # [B, T, H], after the final norm (what lm_head and the MTP module see)
+    mtp_logits: list[torch.Tensor] | None = None  # depth d: [B, T-d, V], row i predicts token i+1+d
+    mtp_hidden: list[torch.Tensor] | None = None  # depth d: [B, T-d, H], after mtp.norm
+
+
+def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Positions restarting at 0 at every document start of packed rows [B, T]."""
+    T = segment_ids.shape[1]
+    idx = torch.arange(T, device=segment_ids.device).expand_as(segment_ids)
+    start = torch.ones_like(segment_ids, dtype=torch.bool)
+    start[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return idx - torch.where(start, idx, 0).cummax(dim=1).values
+
+
+class TextModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, t, config.is_moe_layer(i)) for i, t in enumerate(config.layer_types)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.zero_centered_norm)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = TextModel(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = MTP(config) if config.mtp_num_hidden_layers > 0 else None
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.output_weight)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def context(self, positions, segment_ids=None, cache=None, cache_positions=None, dtype=torch.float32) -> Context:
+        mask = None
+        if cache is not None:
+            # a query sees every slot up to its own; later slots may hold stale (rejected) drafts
+            length = int(cache_positions.max()) + 1
+            slots = torch.arange(length, device=cache_positions.device)
+            mask = (slots <= cache_positions[..., None])[:, None]  # (B, 1, T, S)
+        elif segment_ids is not None:
+            T = segment_ids.shape[1]
+            causal = torch.ones(T, T, dtype=torch.bool, device=segment_ids.device).tril()
+            mask = ((segment_ids[:, :, None] == segment_ids[:, None, :]) & causal)[:, None]
+        return Context(rope_cos_sin(self.config, positions, dtype), mask, segment_ids, cache_positions)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        *,
+        inputs_embeds: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        cache=None,
+        cache_positions: torch.Tensor | None = None,
+        mtp: bool | int = False,
+        return_logits: bool = True,
+    ) -> ModelOutput:
+        """input_ids [B, T] (or inputs_embeds [B, T, H]); positions [B, T] or MRoPE [3, B, T]; segment_ids [B, T]
+        for packed documents. `mtp=True` adds teacher-forced MTP outputs for depths 1..D (`mtp=n`: n chained
+        depths, reusing the last MTP layer beyond D). With `return_logits=False` only hidden states are
+        returned, so a trainer can compute the loss in chunks."""
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        B, T, _ = x.shape
+        if positions is None:
+            if cache is not None:
+                raise ValueError("decoding with a cache needs explicit positions")
+            positions = segment_positions(segment_ids) if segment_ids is not None else (
+                torch.arange(T, device=x.device).expand(B, T)
+            )
+        if cache is not None:
+            if segment_ids is not None:
+                raise ValueError("packed segment_ids cannot be combined with a decoding cache")
+            if cache_positions is None:
+                cache_positions = positions if positions.dim() == 2 else positions[0]
+        ctx = self.context(positions, segment_ids, cache, cache_positions, x.dtype)
+        h = x
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, ctx, None if cache is None else cache.layers[i])
+        hidden = self.model.norm(h)
+        out = ModelOutput(self.logits(hidden) if return_logits else None, hidden)
+        if mtp:
+            if self.mtp is None:
+                raise ValueError("this model has no MTP module: add one with mtpkit.add_mtp(model)")
+            if cache is not None:
+                raise ValueError("teacher-forced MTP outputs are computed without a cache")
+            depths = self.config.mtp_num_hidden_layers if mtp is True else int(mtp)
+            out.mtp_hidden = self._mtp_teacher_forced(x, hidden, positions, segment_ids, depths)
+            if return_logits:
+                out.mtp_logits = [self.logits(m) for m in out.mtp_hidden]
+        return out
+
+    def _mtp_teacher_forced(self, embeds, hidden, positions, segment_ids, depths: int) -> list[torch.Tensor]:
+        """Depth d, row i: embedding of token i+d and depth d-1's output at row i (the trunk's for d = 1),
+        at position p_i + d - 1 (vLLM's convention: row i keeps h_i's position, +1 per chained step)."""
+        outs, prev = [], hidden
+        T = embeds.shape[1]
+        for d in range(1, depths + 1):
+            n = T - d
+            if n <= 0:
+                outs.append(hidden.new_zeros(hidden.shape[0], 0, hidden.shape[2]))
+                continue
+            pos = positions[..., :n] + (d - 1)
+            seg = None if segment_ids is None else segment_ids[:, :n]
+            ctx = self.context(pos, seg, dtype=embeds.dtype)
+            prev = self.mtp(embeds[:, d:], prev[:, :n], ctx, d)
+            outs.append(prev)
+        return outs
+
+    def mtp_step(self, token_ids, hidden, positions, depth: int, cache, cache_positions=None) -> torch.Tensor:
+        """One cached drafting step: token_ids [B, T] are the tokens after the rows of hidden [B, T, H].
+        Returns the MTP's post-norm output (fed back as `hidden` for the next chained depth)."""
+        if cache_positions is None:
+            cache_positions = positions if positions.dim() == 2 else positions[0]
+        embeds = self.embed(token_ids)
+        ctx = self.context(positions, None, cache, cache_positions, embeds.dtype)
+        layer = min(depth, len(self.mtp.layers)) - 1
+        return self.mtp(embeds, hidden, ctx, depth, cache.mtp[layer])

@@ -102,7 +102,8 @@ def random_mtp_tensors(model, depth: int = 1, seed: int = 1) -> dict[str, torch.
     g = torch.Generator().manual_seed(seed)
     sd = model.state_dict()
     prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in sd) else "model."
-    layer_types = model.config.get_text_config().layer_types
+    text = model.config.get_text_config()
+    layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
     last = max(i for i, t in enumerate(layer_types) if t == "full_attention")
     h = model.config.get_text_config().hidden_size
     out = {}

@@ -1,0 +1,243 @@
+"""Read a Llama-family GGUF file into a Hugging Face ``config.json`` dict and state dict.
+
+Only ``general.architecture == "llama"`` is supported (Llama 1/2, SmolLM, TinyLlama and
+other plain-RoPE Llama models). Every tensor is dequantized with
+``gguf.quants.dequantize`` to float32, one tensor at a time, and renamed to the HF
+``LlamaForCausalLM`` names with HF shapes (``[out_features, in_features]``).
+
+llama.cpp's converter permutes the rows of ``q_proj``/``k_proj`` so that each head's
+rotary pairs are interleaved (GPT-J style, ``(x[2j], x[2j+1])``) instead of HF's
+rotate-half layout (``(x[j], x[j + d/2])``). With ``d = head_dim`` and, per head,
+``s in {0, 1}`` and ``j < d/2``, the converter maps HF row ``h*d + s*d/2 + j`` to GGUF
+row ``h*d + 2*j + s``. :func:`_unpermute_qk` applies the inverse:
+``W_hf[h*d + s*d/2 + j] = W_gguf[h*d + 2*j + s]``, i.e. view the rows as
+``[n_heads, d/2, 2]`` and swap the last two axes.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "read_gguf", "load_gguf_tokenizer"]
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+_MAGIC = b"GGUF"
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def _bad_file(path: pathlib.Path, what: str) -> ValueError:
+    return ValueError(f"{path} {what}; re-download it (or point to an intact copy)")
+
+
+def _open_reader(path: pathlib.Path):
+    from gguf import GGUFReader
+
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ValueError(f"cannot read GGUF file {path}: {e.strerror or e}") from None
+    if not magic:
+        raise _bad_file(path, "is empty")
+    if magic != _MAGIC:
+        raise _bad_file(path, f"is not a GGUF file (starts with {magic!r}, expected {_MAGIC!r})")
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as e:  # truncated header / metadata surfaces as assorted numpy errors
+        raise _bad_file(path, f"is truncated or corrupt ({type(e).__name__}: {e})") from None
+    size = path.stat().st_size
+    end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
+    if end > size:
+        raise _bad_file(path, f"is truncated ({size} bytes, its tensors need {end})")
+    return reader
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    """Scalar or string metadata value (arrays are not needed here)."""
+    from gguf import GGUFValueType
+
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    if not f.types or f.types[0] == GGUFValueType.ARRAY:
+        raise ValueError(f"GGUF metadata {key!r} is an array, expected a scalar")
+    part = f.parts[f.data[0]]
+    if f.types[0] == GGUFValueType.STRING:
+        return bytes(part).decode("utf-8")
+    value = part[0].item()
+    return bool(value) if f.types[0] == GGUFValueType.BOOL else value
+
+
+def _array_len(reader, key: str) -> int | None:
+    f = reader.fields.get(key)
+    return None if f is None else len(f.data)
+
+
+def _config(reader, path: pathlib.Path, tensor_names: set[str]) -> dict[str, Any]:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    def need(key: str) -> Any:
+        v = _field(reader, f"{arch}.{key}")
+        if v is None:
+            raise _bad_file(path, f"lacks the GGUF metadata key {arch}.{key!r}")
+        return v
+
+    if _field(reader, f"{arch}.expert_count", 0):
+        raise ValueError(f"{path}: mixture-of-experts Llama GGUFs are not supported")
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear") or "rope_freqs.weight" in tensor_names:
+        kind = scaling if scaling != "none" else "llama3 (rope_freqs)"
+        raise ValueError(f"{path}: RoPE scaling {kind!r} is not supported (only none/linear)")
+
+    hidden = int(need("embedding_length"))
+    n_heads = int(need("attention.head_count"))
+    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_heads))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // n_heads))
+    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ValueError(f"{path}: partial rotary (rope dim {rope_dim} != head dim {head_dim}) is not supported")
+    vocab = _field(reader, f"{arch}.vocab_size") or _array_len(reader, "tokenizer.ggml.tokens")
+    if vocab is None:
+        emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        vocab = int(emb.shape[1])
+    rope_theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
+    if scaling == "linear":
+        rope_parameters = {
+            "rope_type": "linear",
+            "rope_theta": rope_theta,
+            "factor": float(need("rope.scaling.factor")),
+        }
+
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(need("context_length")),
+        # GGUF stores eps as float32; round-trip through str(float32) gives 1e-05, not 9.9999997e-06.
+        "rms_norm_eps": float(str(np.float32(need("attention.layer_norm_rms_epsilon")))),
+        "rope_theta": rope_theta,
+        "rope_parameters": rope_parameters,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "dtype": "float32",
+    }
+    for hf_key, gguf_key in (
+        ("bos_token_id", "bos_token_id"),
+        ("eos_token_id", "eos_token_id"),
+        ("pad_token_id", "padding_token_id"),
+    ):
+        v = _field(reader, f"tokenizer.ggml.{gguf_key}")
+        if v is not None:
+            config[hf_key] = int(v)
+    return config
+
+
+def _hf_name(name: str, n_layers: int) -> str:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _BLOCK_RE.match(name)
+    if m and m.group(2) in _BLOCK_NAMES and int(m.group(1)) < n_layers:
+        return f"model.layers.{int(m.group(1))}.{_BLOCK_NAMES[m.group(2)]}"
+    raise ValueError(f"GGUF tensor {name!r} has no Hugging Face Llama equivalent (unsupported variant)")
+
+
+def _unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's ``permute``: GGUF row ``h*d + 2j + s`` -> HF row ``h*d + s*d/2 + j``."""
+    out_features, in_features = w.shape
+    half = out_features // n_heads // 2
+    return w.reshape(n_heads, half, 2, in_features).transpose(1, 2).reshape(out_features, in_features)
+
+
+def read_gguf(path: str | os.PathLike, *, progress: bool | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Read a ``llama`` GGUF into ``(hf_config_dict, hf_state_dict)``.
+
+    Tensors are dequantized one at a time to contiguous float32 CPU tensors with HF
+    names and shapes; ``lm_head.weight`` is present only when the file has an
+    ``output.weight`` (otherwise ``tie_word_embeddings`` is true). ``progress=None``
+    shows a tqdm bar only when stderr is a terminal.
+    """
+    from gguf.quants import dequantize
+    from tqdm.auto import tqdm
+
+    path = pathlib.Path(path)
+    reader = _open_reader(path)
+    tensor_names = {t.name for t in reader.tensors}
+    config = _config(reader, path, tensor_names)
+    n_layers = config["num_hidden_layers"]
+    heads = {"self_attn.q_proj.weight": config["num_attention_heads"],
+             "self_attn.k_proj.weight": config["num_key_value_heads"]}
+
+    state: dict[str, torch.Tensor] = {}
+    disable = None if progress is None else not progress
+    for t in tqdm(reader.tensors, desc=f"reading {path.name}", unit="tensor", disable=disable):
+        name = _hf_name(t.name, n_layers)
+        shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists ne[0] (innermost) first
+        try:
+            arr = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ValueError(f"{path}: tensor {t.name!r}: {e}") from None
+        arr = np.asarray(arr, dtype=np.float32).reshape(shape)
+        if not arr.flags.writeable or np.may_share_memory(arr, reader.data):
+            arr = arr.copy()  # F32 tensors are views of the read-only mmap: own the memory
+        w = torch.from_numpy(arr)
+        suffix = name.split(".", 3)[-1] if name.startswith("model.layers.") else ""
+        if suffix in heads:
+            w = _unpermute_qk(w, heads[suffix]).contiguous()
+        state[name] = w
+
+    expected = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config["tie_word_embeddings"]:
+        expected.append("lm_head.weight")
+    expected += [f"model.layers.{i}.{v}" for i in range(n_layers) for v in _BLOCK_NAMES.values()]
+    missing = [k for k in expected if k not in state]
+    if missing:
+        raise _bad_file(path, f"is missing {len(missing)} tensors (first: {missing[0]})")
+    emb = state["model.embed_tokens.weight"]
+    if tuple(emb.shape) != (config["vocab_size"], config["hidden_size"]):
+        raise _bad_file(path, f"has token_embd of shape {tuple(emb.shape)} but the metadata says "
+                              f"vocab {config['vocab_size']} x hidden {config['hidden_size']}")
+    return config, state
+
+
+def load_gguf_tokenizer(path: str | os.PathLike):
+    """The HF tokenizer embedded in a GGUF file (``AutoTokenizer`` with ``gguf_file``)."""
+    from transformers import AutoTokenizer
+
+    path = pathlib.Path(path)
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -1,14 +1,8 @@
 """Shared pytest fixtures."""
 
 import pathlib
-import sys
 
 import pytest
-
-try:  # let a plain `pytest` run from a checkout that is not pip-installed
-    import mtpkit  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 
 @pytest.fixture(scope="session")

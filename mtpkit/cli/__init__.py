@@ -1,0 +1,28 @@
+"""`mtpkit` command line: one module per subcommand, each with `add_parser(subparsers)` and `run(args)`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# subcommand -> module under mtpkit.cli; modules are imported only when their command runs
+COMMANDS = {
+    "inspect": "inspect_cmd",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mtpkit", description="Multi-token prediction: train, decode, benchmark.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    modules = {name: importlib.import_module(f"mtpkit.cli.{mod}") for name, mod in COMMANDS.items()}
+    for name, module in modules.items():
+        module.add_parser(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        return modules[args.command].run(args) or 0
+    except (ValueError, FileNotFoundError) as e:  # user errors: one clear line, no traceback
+        print(f"mtpkit {args.command}: error: {e}", file=sys.stderr)
+        return 2

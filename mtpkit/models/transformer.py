@@ -118,12 +118,12 @@ class CausalLM(nn.Module):
             if cache is not None:
                 raise ValueError("teacher-forced MTP outputs are computed without a cache")
             depths = self.config.mtp_num_hidden_layers if mtp is True else int(mtp)
-            out.mtp_hidden = self._mtp_teacher_forced(x, hidden, positions, segment_ids, depths)
+            out.mtp_hidden = self.mtp_teacher_forced(x, hidden, positions, segment_ids, depths)
             if return_logits:
                 out.mtp_logits = [self.logits(m) for m in out.mtp_hidden]
         return out
 
-    def _mtp_teacher_forced(self, embeds, hidden, positions, segment_ids, depths: int) -> list[torch.Tensor]:
+    def mtp_teacher_forced(self, embeds, hidden, positions, segment_ids, depths: int) -> list[torch.Tensor]:
         """Depth d, row i: embedding of token i+d and depth d-1's output at row i (the trunk's for d = 1),
         at position p_i + d - 1 (vLLM's convention: row i keeps h_i's position, +1 per chained step)."""
         outs, prev = [], hidden

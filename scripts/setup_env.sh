@@ -11,5 +11,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-python -c 'import torch' 2>/dev/null || python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[dev]"
+log=.venv/install.log
+{ python -c 'import torch' 2>/dev/null || python -m pip install "torch==2.13.0"; python -m pip install -e ".[dev]"; } \
+  >"$log" 2>&1 || { cat "$log"; echo "setup failed: see $log" >&2; exit 1; }

@@ -14,6 +14,8 @@ def layer_pattern(layer_types) -> str:
     """Run-length summary such as '6 x [linear_attention x3, full_attention]'."""
     abbrev = {"linear_attention": "GDN", "full_attention": "attn"}
     names = [abbrev.get(t, t) for t in layer_types]
+    if len(set(names)) == 1:
+        return f"{names[0]} x{len(names)}"
     for period in range(1, len(names) + 1):
         if len(names) % period == 0 and names == names[:period] * (len(names) // period):
             unit = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in _runs(names[:period]))

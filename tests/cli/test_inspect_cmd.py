@@ -1,0 +1,29 @@
+"""`mtpkit inspect`: what a user sees for a released-layout Qwen3.5 checkpoint, and a one-line error."""
+
+from tiny_models import hf_model, random_mtp_tensors, save_hf
+
+from mtpkit.cli import main
+from mtpkit.cli.inspect_cmd import layer_pattern
+
+
+def test_inspect_released_layout(tmp_path, capsys):
+    ref = hf_model("qwen3_5_vlm")
+    save_hf(ref, tmp_path, mtp_tensors=random_mtp_tensors(ref))
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "qwen3_5_text (vlm layout)" in out
+    assert "GDN x3, attn" in out
+    assert "MTP weights: yes (1 layer" in out
+    assert "vision 0.04M (not used yet)" in out
+
+
+def test_inspect_missing_path_is_one_line(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not exist" in err[0]
+
+
+def test_layer_pattern():
+    assert layer_pattern(["linear_attention"] * 3 + ["full_attention"]) == "GDN x3, attn"
+    assert layer_pattern((["linear_attention"] * 3 + ["full_attention"]) * 6) == "6 x [GDN x3, attn]"
+    assert layer_pattern(["full_attention"] * 30) == "attn x30"

@@ -1,0 +1,258 @@
+"""The MTP objective: hand-checked targets on packed rows, the loss against a naive per-position reference,
+MTP-only mode, exact token-count normalisation over micro-batches, and the weight schedules."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import hf_model
+
+import mtpkit
+from mtpkit.train.loss import (
+    IGNORE,
+    LossConfig,
+    compute_loss,
+    count_tokens,
+    depth_weights,
+    freeze_trunk,
+    mtp_targets,
+    shift_labels,
+)
+
+X = IGNORE
+
+
+# ---- targets -------------------------------------------------------------------------------------------------
+
+def test_targets_two_documents_by_hand():
+    # documents [a b c d | e f g] with a..g = 1..7
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
+    seg = torch.tensor([[0, 0, 0, 0, 1, 1, 1]])
+    labels = shift_labels(ids, seg)
+    assert labels.tolist() == [[2, 3, 4, X, 6, 7, X]]
+    # depth 1, row i predicts token i+2: rows 2 (-> e) and 3 (-> f) would cross the boundary
+    assert mtp_targets(labels, seg, 1).tolist() == [[3, 4, X, X, 7, X]]
+    # depth 2, row i predicts token i+3: only a -> d stays inside a document
+    assert mtp_targets(labels, seg, 2).tolist() == [[4, X, X, X, X]]
+    assert mtp_targets(labels, seg, 3).tolist() == [[X, X, X, X]]
+    assert mtp_targets(labels, seg, 7).shape == (1, 0)
+
+
+def test_targets_with_ignored_labels_inside():
+    # c and f are not supervised (prompt tokens in SFT); the trailing 0 is padding in its own segment
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 0]])
+    seg = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 2]])
+    mask = torch.tensor([[1, 1, 0, 1, 1, 0, 1, 0]])
+    labels = shift_labels(ids, seg, mask)
+    assert labels.tolist() == [[2, X, 4, X, X, 7, X, X]]
+    assert mtp_targets(labels, seg, 1).tolist() == [[X, 4, X, X, 7, X, X]]
+    assert mtp_targets(labels, seg, 2).tolist() == [[4, X, X, X, X, X]]
+
+
+def test_targets_unpacked_and_batched():
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    labels = shift_labels(ids)
+    assert labels.tolist() == [[2, 3, 4, X], [6, 7, 8, X]]
+    assert mtp_targets(labels, None, 1).tolist() == [[3, 4, X], [7, 8, X]]
+    assert mtp_targets(labels, None, 2).tolist() == [[4, X], [8, X]]
+
+
+def test_a_reused_segment_id_still_separates_documents():
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    seg = torch.tensor([[0, 0, 1, 1, 0, 0]])
+    labels = shift_labels(ids, seg)
+    assert labels.tolist() == [[2, X, 4, X, 6, X]]
+    assert mtp_targets(labels, seg, 2).tolist() == [[X, X, X, X]]
+
+
+# ---- the loss against a naive reference ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model():
+    m = mtpkit.build_model(hf_model("qwen3_5").config.to_dict())  # hybrid: GDN + attention layers
+    return mtpkit.add_mtp(m, depth=2)
+
+
+def make_batch(packed: bool, B=2, T=20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (B, T), generator=g)
+    mask = torch.rand(B, T, generator=g) > 0.2
+    seg = None
+    if packed:
+        seg = torch.zeros(B, T, dtype=torch.long)
+        seg[0, 7:], seg[0, 9:], seg[1, 12:] = 1, 2, 1  # a 2-token document in row 0
+    return {"input_ids": ids, "labels": shift_labels(ids, seg, mask), "segment_ids": seg, "mask": mask}
+
+
+def naive_loss(model, batch, weights):
+    """Full logits from model(ids, mtp=n); plain F.cross_entropy per position; row i of depth d predicts token
+    i+1+d when it is in i's document and supervised."""
+    ids, seg, mask = batch["input_ids"], batch["segment_ids"], batch["mask"]
+    B, T = ids.shape
+    seg = torch.zeros_like(ids) if seg is None else seg
+    out = model(ids, segment_ids=batch["segment_ids"], mtp=len(weights) or False)
+
+    def mean_ce(logits, offset):
+        terms = [F.cross_entropy(logits[b, i], ids[b, i + offset])
+                 for b in range(B) for i in range(logits.shape[1])
+                 if i + offset < T and seg[b, i] == seg[b, i + offset] and mask[b, i + offset]]
+        return torch.stack(terms).mean()
+
+    return mean_ce(out.logits, 1) + sum(w * mean_ce(out.mtp_logits[d], 2 + d) for d, w in enumerate(weights))
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+@pytest.mark.parametrize("depths", [1, 2, 3])
+def test_loss_equals_naive_reference(model, depths, packed):
+    """Depth 3 chains past the model's 2 MTP layers (reusing the last, FastMTP-style); the chunk size does not
+    divide the token count."""
+    batch = make_batch(packed)
+    cfg = LossConfig(mtp_weights=[0.5, 0.3, 0.2][:depths], ce_chunk_tokens=7)
+    model.zero_grad()
+    out = compute_loss(model, batch, cfg)
+    out.loss.backward()
+    got = grads(model)
+    model.zero_grad()
+    ref = naive_loss(model, batch, cfg.mtp_weights)
+    ref.backward()
+    expected = grads(model)
+    torch.testing.assert_close(out.loss, ref, rtol=1e-5, atol=1e-6)
+    assert got.keys() == expected.keys() and any(n.startswith("mtp.") for n in got)
+    for n in got:
+        torch.testing.assert_close(got[n], expected[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert len(out.mtp_losses) == len(out.mtp_accuracy) == len(out.mtp_tokens) == depths
+    assert out.main_tokens == int((batch["labels"] != X).sum())
+    assert all(0.0 <= a <= 1.0 for a in out.mtp_accuracy)
+
+
+def test_default_weights_are_lambda_over_depths(model):
+    batch = make_batch(True)
+    out = compute_loss(model, batch, LossConfig(mtp_lambda=0.3))
+    total = out.main_loss + 0.15 * (out.mtp_losses[0] + out.mtp_losses[1])
+    torch.testing.assert_close(out.loss.detach(), total)
+
+
+# ---- MTP-only mode -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3"])  # untied and tied lm_head
+def test_mtp_only_trains_the_head_alone(family):
+    model = mtpkit.add_mtp(mtpkit.build_model(hf_model(family).config.to_dict()), depth=1)
+    batch = make_batch(True)
+    cfg = LossConfig(mtp_only=True, mtp_depths=2, ce_chunk_tokens=16)
+    full = compute_loss(model, batch, LossConfig(mtp_depths=2, ce_chunk_tokens=16))
+    # without freezing, the trunk still gets no gradient (no graph through it; lm_head used detached)
+    out = compute_loss(model, batch, cfg)
+    out.loss.backward()
+    assert all(p.grad is None for n, p in model.named_parameters() if not n.startswith("mtp."))
+    for a, b in zip(out.mtp_losses, full.mtp_losses):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(out.main_loss, full.main_loss)
+    torch.testing.assert_close(out.loss.detach(), 0.05 * (out.mtp_losses[0] + out.mtp_losses[1]))
+
+    model.zero_grad(set_to_none=True)
+    before = copy.deepcopy(model.state_dict())
+    freeze_trunk(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        compute_loss(model, make_batch(True, seed=step), cfg, step).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # keep grads around so a stray one would show
+    for n, p in model.named_parameters():
+        if n.startswith("mtp."):
+            assert p.requires_grad and not torch.equal(p, before[n]), n
+        else:
+            assert not p.requires_grad and p.grad is None and torch.equal(p, before[n]), n
+
+
+def test_mtp_only_without_a_head_is_a_clear_error():
+    model = mtpkit.build_model(hf_model("qwen3").config.to_dict())
+    with pytest.raises(ValueError, match="add_mtp"):
+        compute_loss(model, make_batch(False), LossConfig(mtp_only=True))
+
+
+# ---- token counts: micro-batches and ranks sum to the full batch ---------------------------------------------
+
+def test_global_token_counts_make_half_batches_sum_to_the_full_batch(model):
+    full = make_batch(True, B=4, seed=3)
+    full["labels"][0, :15] = X  # the halves hold very different numbers of tokens
+    halves = [{k: v[i : i + 2] for k, v in full.items()} for i in (0, 2)]
+    cfg = LossConfig(mtp_lambda=0.3, ce_chunk_tokens=9)
+    counts = count_tokens(full, cfg, model, 0)
+    local = [count_tokens(h, cfg, model, 0) for h in halves]
+    assert counts["main"] == sum(c["main"] for c in local) and len(counts["mtp"]) == 2
+    assert counts["mtp"] == [a + b for a, b in zip(local[0]["mtp"], local[1]["mtp"])]
+
+    model.zero_grad()
+    compute_loss(model, full, cfg).loss.backward()
+    expected = grads(model)
+    model.zero_grad()
+    losses = [compute_loss(model, h, cfg, token_counts=counts).loss for h in halves]
+    for loss in losses:
+        loss.backward()
+    got = grads(model)
+    model.zero_grad()
+    sum(compute_loss(model, h, cfg).loss / 2 for h in halves).backward()
+    naive = grads(model)  # averaging the half-batch means is not the full batch
+    assert any((naive[n] - expected[n]).abs().max() > 1e-4 for n in expected)
+    for n in expected:
+        torch.testing.assert_close(got[n], expected[n], rtol=1e-5, atol=1e-6, msg=n)
+    model.zero_grad()
+
+
+# ---- weights and schedules -----------------------------------------------------------------------------------
+
+def test_default_and_explicit_weights():
+    assert depth_weights(LossConfig(), 0, 1) == [0.1]
+    assert depth_weights(LossConfig(), 0, 0) == []
+    assert depth_weights(LossConfig(mtp_lambda=0.3), 0, 2) == [0.15, 0.15]
+    assert depth_weights(LossConfig(mtp_depths=3), 0, 1) == pytest.approx([0.1 / 3] * 3)
+    assert depth_weights(LossConfig(mtp_weights=[0.51, 0.31, 0.18]), 0, 1) == [0.51, 0.31, 0.18]  # 3 chained
+    assert depth_weights(LossConfig(mtp_weights=[0.51, 0.31, 0.18], mtp_depths=2), 0, 1) == [0.51, 0.31]
+
+
+def test_lambda_schedule():
+    cfg = LossConfig(lambda_schedule=[[0, 0.3], [1000, 0.1]])
+    assert depth_weights(cfg, 0, 1) == [0.3]
+    assert depth_weights(cfg, 999, 1) == [0.3]
+    assert depth_weights(cfg, 1000, 1) == [0.1]
+    assert depth_weights(cfg, 10**6, 2) == [0.05, 0.05]
+
+
+def test_depth_curriculum():
+    cfg = LossConfig(depth_curriculum=[[0, 1], [10, 2], [20, 3]], mtp_weights=[0.51, 0.31, 0.18])
+    assert depth_weights(cfg, 0, 1) == [0.51]
+    assert depth_weights(cfg, 9, 1) == [0.51]
+    assert depth_weights(cfg, 10, 1) == [0.51, 0.31]
+    assert depth_weights(cfg, 25, 1) == [0.51, 0.31, 0.18]
+    cfg = LossConfig(depth_curriculum=[[0, 1], [5, 2]], lambda_schedule=[[0, 0.3], [8, 0.1]])
+    assert [depth_weights(cfg, s, 2) for s in (0, 5, 8)] == [[0.3], [0.15, 0.15], [0.05, 0.05]]
+
+
+def test_curriculum_sets_the_depths_trained(model):
+    cfg = LossConfig(depth_curriculum=[[0, 1], [10, 2]])
+    batch = make_batch(True)
+    assert len(compute_loss(model, batch, cfg, step=3).mtp_losses) == 1
+    assert len(compute_loss(model, batch, cfg, step=10).mtp_losses) == 2
+    assert len(count_tokens(batch, cfg, model, 3)["mtp"]) == 1
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(lambda_schedule=[[10, 0.3]]),
+    dict(lambda_schedule=[[0, 0.3], [0, 0.1]]),
+    dict(depth_curriculum=[[0, 1], [5, 3]], mtp_depths=2),
+    dict(depth_curriculum=[[0, 0]]),
+    dict(mtp_weights=[0.5], lambda_schedule=[[0, 0.3]]),
+    dict(mtp_weights=[]),
+    dict(mtp_weights=[0.5], mtp_depths=2),
+    dict(mtp_weights=[0.5], depth_curriculum=[[0, 1], [9, 2]]),
+    dict(ce_chunk_tokens=0),
+])
+def test_bad_configs_are_rejected(kwargs):
+    with pytest.raises(ValueError):
+        LossConfig(**kwargs)
+

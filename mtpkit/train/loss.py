@@ -129,7 +129,7 @@ def count_tokens(batch: dict, cfg: LossConfig, model, step: int) -> dict:
     """Local valid-target counts {"main": n, "mtp": [n_1..n_D]} for the depths active at `step`: what the trainer
     sums over ranks and micro-batches into compute_loss's token_counts."""
     n = len(depth_weights(cfg, step, model.config.mtp_num_hidden_layers))
-    counts = [int((t != IGNORE).sum()) for t in _targets(batch, n)]
+    counts = torch.stack([(t != IGNORE).sum() for t in _targets(batch, n)]).tolist()
     return {"main": counts[0], "mtp": counts[1:]}
 
 
@@ -173,10 +173,9 @@ def compute_loss(model, batch: dict, cfg: LossConfig, step: int = 0, token_count
     global_counts = None if token_counts is None else [token_counts["main"], *token_counts["mtp"]]
     terms, sums, valid, correct = [], [], [], []
     for d, (h, t) in enumerate(zip([hidden, *mtp_hidden], _targets(batch, len(weights)))):
-        with torch.set_grad_enabled(torch.is_grad_enabled() and not (cfg.mtp_only and d == 0)):
-            loss_sum, n_valid, n_correct = chunked_cross_entropy(
-                h.reshape(-1, h.shape[-1]), weight, t.reshape(-1), cfg.ce_chunk_tokens, IGNORE
-            )
+        loss_sum, n_valid, n_correct = chunked_cross_entropy(
+            h.reshape(-1, h.shape[-1]), weight, t.reshape(-1), cfg.ce_chunk_tokens, IGNORE
+        )
         norm = n_valid.clamp(min=1) if global_counts is None else max(global_counts[d], 1)
         terms.append(loss_sum / norm)
         sums.append(loss_sum.detach())

@@ -1,0 +1,190 @@
+"""`generate`: batched plain or MTP self-speculative decoding over a preallocated cache (gpt-fast's design).
+
+Rows may have prompts of different lengths: each is prefilled through a row view of the cache and then decodes
+at its own positions. A row that stops (EOS or max_new_tokens) leaves the batch: the cache and the per-row
+state are index-selected down to the live rows, so finished rows cost nothing afterwards (one cache copy per
+batch shrink, at most B-1 of them). The loop reads the device once per step, to learn what each row emitted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import speculative as spec
+from .cache import Cache
+from .sampling import SamplingParams, probs, select
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[list[int]]  # per row: the new token ids, ending with EOS when one was produced
+    stats: dict
+    accept_lengths: list[list[int]]  # per row, speculative only: tokens kept from each verification step
+
+
+def _prompt_rows(prompts, vocab_size: int) -> list[list[int]]:
+    rows = prompts.tolist() if isinstance(prompts, torch.Tensor) else [list(map(int, p)) for p in prompts]
+    if isinstance(prompts, torch.Tensor) and prompts.dim() != 2:
+        raise ValueError(f"prompts must be a [B, T] tensor of token ids, got shape {tuple(prompts.shape)}")
+    if not rows:
+        raise ValueError("no prompts given")
+    for i, r in enumerate(rows):
+        if not r:
+            raise ValueError(f"prompt {i} is empty: give at least one token (e.g. BOS)")
+        if min(r) < 0 or max(r) >= vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size})")
+    return rows
+
+
+class _Bookkeeper:
+    """Host side: each row's emitted tokens, its stop conditions and the vLLM-style acceptance counters."""
+
+    def __init__(self, batch: int, k: int, max_new: int, eos: set[int], on_tokens):
+        self.tokens = [[] for _ in range(batch)]
+        self.accept_lengths = [[] for _ in range(batch)]
+        self.live = list(range(batch))  # original row index of each batch row still decoding
+        self.k, self.max_new, self.eos, self.on_tokens = k, max_new, eos, on_tokens
+        self.forward_passes = self.steps = self.accepted = 0
+        self.accepted_per_position = [0] * k
+
+    def emit(self, chunks: list[list[int]], accepted: list[int] | None = None) -> list[int]:
+        """Append each live row's chunk (cut after EOS or at max_new_tokens); return the batch rows still live."""
+        keep = []
+        for b, (row, chunk) in enumerate(zip(self.live, chunks)):
+            if accepted is not None:  # one verification step of this row
+                self.steps += 1
+                self.accepted += accepted[b]
+                for j in range(accepted[b]):
+                    self.accepted_per_position[j] += 1
+            out = self.tokens[row]
+            chunk = chunk[: self.max_new - len(out)]
+            stop = next((i for i, t in enumerate(chunk) if t in self.eos), None)
+            if stop is not None:
+                chunk = chunk[: stop + 1]
+            if accepted is not None:
+                self.accept_lengths[row].append(len(chunk))
+            out.extend(chunk)
+            if self.on_tokens is not None:
+                self.on_tokens(row, chunk)
+            if stop is None and len(out) < self.max_new:
+                keep.append(b)
+        self.live = [self.live[b] for b in keep]
+        return keep
+
+    def stats(self, seconds: float) -> dict:
+        new = sum(map(len, self.tokens))
+        drafted = self.k * self.steps
+        return {
+            "new_tokens": new,
+            "forward_passes": self.forward_passes,
+            "verification_steps": self.steps,
+            "drafted": drafted,
+            "accepted": self.accepted,
+            "accepted_per_position": list(self.accepted_per_position),
+            "acceptance_rate": self.accepted / drafted if drafted else None,
+            "mean_acceptance_length": 1 + self.accepted / self.steps if self.steps else None,
+            "per_position_acceptance": [a / self.steps for a in self.accepted_per_position] if self.steps else [],
+            "seconds": seconds,
+            "tokens_per_second": new / seconds if seconds > 0 else 0.0,
+        }
+
+
+def _prefill(model, cache, rows, params, generator, with_mtp: bool):
+    """Prefill runs of equal-length rows in one forward each. Returns the first sampled token [B] and, with_mtp,
+    the MTP's output at each row's last prompt position [B, H] (its cache filled over the whole prompt)."""
+    device = model.output_weight.device
+    firsts, ms, start = [], [], 0
+    for length, group in itertools.groupby(rows, key=len):
+        ids = torch.tensor(list(group), device=device)  # [b, T]
+        view = cache.rows(slice(start, start + ids.shape[0]))
+        start += ids.shape[0]
+        positions = torch.arange(length, device=device).expand_as(ids)
+        hidden = model(ids, positions=positions, cache=view, return_logits=False).hidden  # [b, T, H]
+        first = select(model.logits(hidden[:, -1]), params, generator)
+        firsts.append(first)
+        if with_mtp:  # row i: trunk hidden at i and token i+1; the last row takes the token just sampled
+            nxt = torch.cat([ids[:, 1:], first[:, None]], dim=1)
+            ms.append(model.mtp_step(nxt, hidden, positions, 1, view)[:, -1])
+    return torch.cat(firsts), (torch.cat(ms) if with_mtp else None)
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    prompts: torch.Tensor | Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    draft_tokens: int = 0,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    draft_vocab: torch.Tensor | None = None,
+    on_tokens: Callable[[int, list[int]], None] | None = None,
+) -> GenerateResult:
+    """Decode up to max_new_tokens new tokens per prompt; draft_tokens=k > 0 drafts k tokens per step with the
+    model's MTP module and verifies them in one trunk forward (lossless: greedy output is token for token the
+    same, sampled output has exactly the same distribution). `draft_vocab` restricts drafting to those ids.
+    `on_tokens(row, ids)` is called with every row's new tokens as they are produced (for streaming)."""
+    params = SamplingParams(temperature, top_k, top_p)
+    cfg = model.config
+    rows = _prompt_rows(prompts, cfg.vocab_size)
+    k = int(draft_tokens)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, not {max_new_tokens}")
+    if k < 0:
+        raise ValueError(f"draft_tokens must be >= 0, not {k}")
+    if k and model.mtp is None:
+        raise ValueError("this model has no MTP head: load one with --mtp or train one (draft_tokens needs it)")
+    longest = max(map(len, rows))
+    if longest + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(
+            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of "
+            f"{cfg.max_position_embeddings} tokens"
+        )
+    eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+    weight = model.output_weight
+    generator = torch.Generator(weight.device).manual_seed(random.getrandbits(63) if seed is None else seed)
+    head = spec.DraftHead(model, params, draft_vocab) if k else None
+
+    start = time.perf_counter()
+    B = len(rows)
+    cache = Cache(cfg, B, longest + max_new_tokens + k + 1, weight.dtype, weight.device)
+    book = _Bookkeeper(B, k, max_new_tokens, eos, on_tokens)
+    last, m = _prefill(model, cache, rows, params, generator, with_mtp=k > 0)
+    pos = torch.tensor(list(map(len, rows)), device=weight.device)  # [B]: position of `last`, not yet in the cache
+    keep = book.emit([[t] for t in last.tolist()])
+    offsets = torch.arange(k + 1, device=weight.device)
+    while keep:
+        if len(keep) < last.shape[0]:  # some rows stopped: drop them from the batch
+            idx = torch.tensor(keep, device=weight.device)
+            cache, last, pos = cache.rows(idx), last[idx], pos[idx]
+            m = None if m is None else m[idx]
+        if k == 0:
+            logits = model(last[:, None], positions=pos[:, None], cache=cache).logits[:, 0]
+            n, tokens = torch.zeros_like(last), select(logits, params, generator)[:, None]
+        else:
+            drafts, q = spec.draft(model, cache, m, pos, k, head, generator)
+            cache.keep_history(True)
+            out = model(torch.cat([last[:, None], drafts], 1), positions=pos[:, None] + offsets, cache=cache)
+            if params.greedy:
+                n, tokens = spec.accept_greedy(drafts, out.logits)
+            else:
+                n, tokens = spec.accept_sampling(drafts, q, probs(out.logits, params), generator)
+            cache.commit(n + 1)  # GDN layers continue from the state after the last accepted token
+            cache.keep_history(False)
+            rows_idx = torch.arange(n.shape[0], device=n.device)
+            m = spec.mtp_extend(model, cache, out.hidden, tokens, pos)[rows_idx, n]
+        book.forward_passes += 1
+        host = torch.cat([n[:, None], tokens], dim=1).tolist()  # the one device read of the step
+        keep = book.emit([h[1 : h[0] + 2] for h in host], [h[0] for h in host] if k else None)
+        last = tokens.gather(1, n[:, None])[:, 0]
+        pos = pos + n + 1
+    return GenerateResult(book.tokens, book.stats(time.perf_counter() - start), book.accept_lengths)

@@ -1,0 +1,116 @@
+"""Self-speculative decoding with the model's own MTP module: draft by chaining it, verify with the trunk.
+
+Acceptance follows speculative sampling (Leviathan et al. 2023, "Fast Inference from Transformers via
+Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative
+Sampling"): accept draft d with probability min(1, p(d)/q(d)), on the first rejection draw from
+normalize(max(p - q, 0)), and when every draft is accepted draw a bonus token from p. The output distribution
+is then exactly the trunk's. Greedy decoding is the limit: accept while the draft equals the trunk's argmax.
+
+Position convention (vLLM's, see mtp-reference.md): the MTP row that predicts the token at position t+2 sees
+the trunk hidden at t and the token at t+1, at position t; chained depth j adds j-1 to that position.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from .sampling import SamplingParams, probs, sample
+
+
+def frequent_tokens(token_ids: Iterable, n: int) -> torch.Tensor:
+    """The n most frequent ids (most frequent first) in an iterable of ids or of id sequences (documents),
+    to use as `draft_vocab`."""
+    counts = Counter()
+    for item in token_ids:
+        counts.update(torch.as_tensor(item).flatten().tolist())
+    if not counts:
+        raise ValueError("frequent_tokens got no token ids to count")
+    return torch.tensor([t for t, _ in counts.most_common(n)], dtype=torch.long)
+
+
+class DraftHead:
+    """The lm_head used for drafting: the full output weight, or only the rows of a reduced draft vocabulary.
+    Drafting from a subset changes only q (zero outside it), which rejection sampling corrects exactly."""
+
+    def __init__(self, model, params: SamplingParams, vocab: torch.Tensor | None = None):
+        self.params = params
+        self.vocab_size = model.config.vocab_size
+        weight = model.output_weight
+        self.vocab = None
+        if vocab is not None:
+            vocab = torch.as_tensor(vocab, dtype=torch.long, device=weight.device).flatten()
+            if vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= self.vocab_size:
+                raise ValueError(f"draft_vocab must hold token ids in [0, {self.vocab_size}) and not be empty")
+            self.vocab = vocab.unique()
+            weight = weight[self.vocab]  # [N, H]: a copy, made once per generate call
+        self.weight = weight
+
+    def __call__(self, hidden: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """MTP output [B, H] -> draft ids [B] and q [B, V] over the full vocabulary (None when greedy)."""
+        logits = F.linear(hidden, self.weight)  # [B, V or N]
+        if self.params.greedy:
+            idx = logits.argmax(dim=-1)
+            return (idx if self.vocab is None else self.vocab[idx]), None
+        q = probs(logits, self.params)
+        idx = sample(q, generator)
+        if self.vocab is None:
+            return idx, q
+        full = q.new_zeros(q.shape[0], self.vocab_size).index_copy_(1, self.vocab, q)
+        return self.vocab[idx], full
+
+
+def draft(model, cache, m: torch.Tensor, pos: torch.Tensor, k: int, head: DraftHead, generator):
+    """k draft tokens per row. m [B, H]: the MTP's depth-1 output at position pos-1 (it predicts the token at
+    pos+1, the one after the last sampled token, which sits at pos). Returns drafts [B, k] and q [B, k, V] or None."""
+    tokens, qs = [], []
+    for j in range(1, k + 1):
+        if j > 1:  # chain: the previous draft and the MTP's own post-norm output, one position further
+            m = model.mtp_step(tokens[-1][:, None], m[:, None], (pos + j - 2)[:, None], j, cache)[:, 0]
+        d, q = head(m, generator)
+        tokens.append(d)
+        qs.append(q)
+    return torch.stack(tokens, 1), (None if qs[0] is None else torch.stack(qs, 1))
+
+
+def accept_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """drafts [B, k], trunk logits [B, k+1, V] -> accepted count n [B] and tokens [B, k+1], of which the first
+    n+1 are emitted: the accepted drafts (equal to the trunk's argmax) and the trunk's own next token."""
+    target = logits.argmax(dim=-1)
+    n = (drafts == target[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+    return n, target
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """normalize(max(p - q, 0)) per row of [B, V]: the distribution to draw from after a rejection."""
+    r = (p - q).clamp_min(0)
+    mass = r.sum(dim=-1, keepdim=True)
+    # zero mass only by rounding when p == q, where a rejection has (almost) no probability: fall back to p
+    return torch.where(mass > 0, r / mass.clamp_min(1e-30), p)
+
+
+def accept_sampling(drafts, q, p, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """drafts [B, k], draft distributions q [B, k, V], trunk distributions p [B, k+1, V] -> n [B], tokens [B, k+1]
+    (first n+1 emitted): drafts accepted with probability min(1, p/q), then one draw from the residual after
+    the first rejection, or from p after the last draft (the bonus token)."""
+    B, k = drafts.shape
+    rows = torch.arange(B, device=drafts.device)
+    p_d = p[:, :k].gather(2, drafts[..., None])[..., 0]
+    q_d = q.gather(2, drafts[..., None])[..., 0]  # > 0: each draft was drawn from q
+    u = torch.rand(B, k, generator=generator, device=p.device)
+    n = (u * q_d < p_d).long().cumprod(dim=1).sum(dim=1)
+    q_next = F.pad(q, (0, 0, 0, 1))[rows, n]  # no draft after the last position: q = 0 there, so residual = p
+    fix = sample(residual(p[rows, n], q_next), generator)
+    tokens = F.pad(drafts, (0, 1)).scatter(1, n[:, None], fix[:, None])
+    return n, tokens
+
+
+def mtp_extend(model, cache, hidden: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Run the MTP (depth 1) over verified rows: hidden [B, T, H] from the trunk at positions pos..pos+T-1 and the
+    tokens that follow them [B, T]. Writes the MTP cache there; returns its outputs [B, T, H]. Rows past a
+    row's accepted count write stale slots that later steps overwrite, as in the trunk's KV cache."""
+    positions = pos[:, None] + torch.arange(tokens.shape[1], device=pos.device)
+    return model.mtp_step(tokens, hidden, positions, 1, cache)

@@ -1,0 +1,222 @@
+"""Self-speculative decoding: greedy output equals plain greedy token for token (every family, k = 1..4, batched
+rows of different lengths, EOS inside a draft), the MTP cache follows the accepted tokens, and sampling keeps
+the trunk's distribution exactly (statistical tests with a fixed seed, shown to fail for a wrong rule)."""
+
+import pytest
+import torch
+
+import mtpkit
+from mtpkit.decode import speculative as spec
+from mtpkit.decode.sampling import SamplingParams, probs
+
+_BASE = dict(vocab_size=32, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=96, rms_norm_eps=1e-6, max_position_embeddings=256, mtp_num_hidden_layers=1)
+_GDN = dict(head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=16, linear_conv_kernel_dim=4)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+CONFIGS = {
+    "qwen3_5": dict(_BASE, **_GDN, model_type="qwen3_5_text", rope_parameters=dict(_ROPE, mrope_section=[2, 1, 1])),
+    "qwen3_5_moe": dict(_BASE, **_GDN, **_MOE, model_type="qwen3_5_moe_text",
+                        rope_parameters=dict(_ROPE, mrope_section=[2, 1, 1])),
+    "qwen3_next": dict(_BASE, **_GDN, **_MOE, model_type="qwen3_next", decoder_sparse_step=2, mlp_only_layers=[2],
+                       rope_parameters=_ROPE),
+    "llama": dict(_BASE, head_dim=16, num_hidden_layers=3, model_type="llama"),
+    # untied: with a tied lm_head this construction would only ever repeat the last token
+    "qwen3": dict(_BASE, head_dim=16, num_hidden_layers=3, model_type="qwen3"),
+}
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run faster on one thread, and much faster when other jobs share the cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [30, 4, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12]]
+
+
+def drafting_model(family: str, mtp_layers: int = 1, noise: float = 0.17, seed: int = 0):
+    """A tiny random model (vocab 32) whose MTP head drafts well but not perfectly. Embeddings of std 1 dominate
+    the residual stream and lm_head row v is the embedding of a random predecessor of v, so the trunk is close to
+    a bigram model that walks a random permutation; the MTP's fc reads the embedding half, so its draft for
+    token i+2 is the walk's successor of token i+1. The trunk's other weights are random with std `noise`,
+    which sets how often the trunk departs from the walk, i.e. how many drafts are rejected."""
+    torch.manual_seed(seed)
+    model = mtpkit.build_model(dict(CONFIGS[family], mtp_num_hidden_layers=mtp_layers))
+    h, V = model.config.hidden_size, model.config.vocab_size
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.05 if name.startswith("mtp.") else noise)
+        E = model.model.embed_tokens.weight.normal_(0.0, 1.0)
+        model.lm_head.weight.copy_(E[torch.randperm(V).argsort()] / h**0.5)
+        model.mtp.fc.weight.add_(torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1))
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def model(request):
+    return drafting_model(request.param)
+
+
+def test_greedy_speculative_equals_plain_greedy(model):
+    plain = {n: mtpkit.generate(model, PROMPTS[:n], max_new_tokens=40) for n in (1, 3)}
+    partial = False
+    for k in range(1, 5):
+        for n in (1, 3):
+            r = mtpkit.generate(model, PROMPTS[:n], max_new_tokens=40, draft_tokens=k)
+            assert r.tokens == plain[n].tokens, f"k={k}, batch {n}"
+            s = r.stats
+            assert 0 < s["accepted"] < s["drafted"], f"k={k}, batch {n}: no partial acceptance to test"
+            assert s["new_tokens"] == 40 * n and s["drafted"] == k * s["verification_steps"]
+            assert sum(s["accepted_per_position"]) == s["accepted"]
+            assert s["mean_acceptance_length"] == pytest.approx(1 + s["accepted"] / s["verification_steps"])
+            # a step that kept 1 < n+1 <= k tokens rolled the GDN state back into the middle of the history
+            partial |= any(1 < a <= k for row in r.accept_lengths for a in row)
+    assert partial
+
+
+def first_accepted_draft(result):
+    """(token, row): a token that some row first produces as an accepted draft, not as the trunk's own token."""
+    for row, (toks, lengths) in enumerate(zip(result.tokens, result.accept_lengths)):
+        start = 1  # token 0 comes from the prefill
+        for length in lengths:
+            for j in range(start, start + length - 1):
+                if toks[j] not in toks[:j]:
+                    return toks[j], row
+            start += length
+    return None, None
+
+
+def test_eos_inside_an_accepted_draft_stops_the_row(model):
+    k = 3
+    free = mtpkit.generate(model, PROMPTS, max_new_tokens=40, draft_tokens=k)
+    eos, row = first_accepted_draft(free)
+    assert eos is not None, "no accepted draft to place EOS on"
+    ref = mtpkit.generate(model, PROMPTS, max_new_tokens=40, eos_token_id=eos)
+    got = mtpkit.generate(model, PROMPTS, max_new_tokens=40, draft_tokens=k, eos_token_id=eos)
+    assert got.tokens == ref.tokens
+    assert got.tokens[row][-1] == eos and len(got.tokens[row]) < 40
+
+
+def test_deeper_mtp_and_reduced_draft_vocab_stay_lossless():
+    model = drafting_model("qwen3_5", mtp_layers=2)
+    plain = mtpkit.generate(model, PROMPTS, max_new_tokens=30)
+    deep = mtpkit.generate(model, PROMPTS, max_new_tokens=30, draft_tokens=3)
+    vocab = spec.frequent_tokens(plain.tokens, 12)
+    small = mtpkit.generate(model, PROMPTS, max_new_tokens=30, draft_tokens=2, draft_vocab=vocab)
+    assert deep.tokens == plain.tokens and small.tokens == plain.tokens
+    assert small.stats["accepted"] > 0
+
+
+def test_frequent_tokens_counts_documents_and_ids():
+    assert spec.frequent_tokens([[5, 5, 1], torch.tensor([1, 5]), 7], 2).tolist() == [5, 1]
+    with pytest.raises(ValueError, match="no token ids"):
+        spec.frequent_tokens([], 3)
+
+
+def test_mtp_cache_follows_accepted_tokens(monkeypatch):
+    """Every first draft equals the teacher-forced depth-1 MTP prediction on the accepted sequence, so the MTP
+    cache and the hidden it drafts from are those of the accepted tokens, whatever was rejected before."""
+    model = drafting_model("qwen3_5")
+    seen = []
+
+    def recording_draft(model_, cache, m, pos, k, head, generator):
+        drafts, q = draft(model_, cache, m, pos, k, head, generator)
+        seen.append((pos.clone(), drafts[:, 0].clone()))
+        return drafts, q
+
+    draft = spec.draft
+    monkeypatch.setattr(spec, "draft", recording_draft)
+    r = mtpkit.generate(model, PROMPTS[:1], max_new_tokens=30, draft_tokens=3)
+    seq = torch.tensor([PROMPTS[0] + r.tokens[0]])
+    with torch.no_grad():
+        tf = model(seq, mtp=1).mtp_logits[0][0]  # row i predicts token i+2
+    for pos, d1 in seen:  # pos: position of the last emitted token; the MTP row at pos-1 predicts pos+1
+        assert int(d1[0]) == int(tf[int(pos[0]) - 1].argmax())
+    assert r.stats["accepted"] < r.stats["drafted"]
+
+
+# --- sampling exactness ---------------------------------------------------------------------------------------
+
+def chi2_pvalue(counts: torch.Tensor, expected_p: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Pearson chi-square goodness of fit; cells expected below min_expected are pooled into one."""
+    n = counts.sum()
+    exp = expected_p.double() * n
+    small = exp < min_expected
+    obs = torch.cat([counts[~small].double(), counts[small].double().sum()[None]])
+    exp = torch.cat([exp[~small], exp[small].sum()[None]])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.double), stat / 2))
+
+
+def test_accept_sampling_output_is_distributed_as_p():
+    """One verification position, many rows: the emitted token's law is p whatever q is."""
+    g = torch.Generator().manual_seed(0)
+    V, N = 8, 200_000
+    p = torch.tensor([0.30, 0.20, 0.15, 0.10, 0.10, 0.08, 0.05, 0.02])
+    q = torch.tensor([0.05, 0.05, 0.40, 0.20, 0.10, 0.10, 0.00, 0.10])
+    drafts = torch.multinomial(q, N, replacement=True, generator=g)[:, None]
+    P = p.expand(N, 2, V)
+    Q = q.expand(N, 1, V)
+    n, tokens = spec.accept_sampling(drafts, Q, P, g)
+    first = torch.bincount(tokens[:, 0], minlength=V)
+    assert chi2_pvalue(first, p) > 1e-3
+    assert 0 < n.float().mean() < 1
+    # the bonus token after an accepted draft is drawn from p (row 1) as well
+    assert chi2_pvalue(torch.bincount(tokens[n == 1, 1], minlength=V), p) > 1e-3
+
+
+def exact_joint(model, prompt, params, n_tokens):
+    """P(first n_tokens new tokens) [V]*n_tokens, by full forwards over every continuation (tiny vocab)."""
+    V = model.config.vocab_size
+    joint = torch.ones(())
+    seqs = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n_tokens):
+            p = probs(model(seqs).logits[:, -1], params).double()  # [V^t, V]
+            joint = (joint.reshape(-1, 1) * p).reshape(-1)
+            seqs = torch.cat([seqs.repeat_interleave(V, 0), torch.arange(V).repeat(seqs.shape[0])[:, None]], 1)
+    return joint
+
+
+@pytest.fixture(scope="module")
+def sampling_case():
+    """A model whose random MTP head drafts from a q far from p, the exact law of 3 new tokens, and a prompt
+    batched over many rows (each row an independent sample)."""
+    model = drafting_model("llama", seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)  # flatter next-token distributions: many cells to test
+        model.mtp.fc.weight.normal_(0.0, 0.1)  # drafts no longer track the trunk: many rejections
+    params = SamplingParams(temperature=0.8, top_k=12, top_p=0.95)
+    prompt = [3, 1, 4, 1, 5]
+    return model, params, prompt, exact_joint(model, prompt, params, 3)
+
+
+def _empirical(model, params, prompt, k, seed, rows=12_000):
+    r = mtpkit.generate(model, torch.tensor([prompt] * rows), max_new_tokens=3, draft_tokens=k,
+                        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed)
+    V = model.config.vocab_size
+    idx = torch.tensor([t[0] * V * V + t[1] * V + t[2] for t in r.tokens])
+    return torch.bincount(idx, minlength=V**3), r.stats
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_speculative_sampling_matches_the_exact_distribution(sampling_case, k):
+    model, params, prompt, joint = sampling_case
+    counts, stats = _empirical(model, params, prompt, k, seed=k)
+    assert chi2_pvalue(counts, joint) > 1e-3
+    if k:
+        assert 0.1 < stats["acceptance_rate"] < 0.9
+
+
+def test_the_sampling_test_fails_for_a_wrong_rejection_rule(sampling_case, monkeypatch):
+    """Drawing from p instead of normalize(max(p - q, 0)) after a rejection is the classic bug: caught."""
+    model, params, prompt, joint = sampling_case
+    monkeypatch.setattr(spec, "residual", lambda p, q: p)
+    counts, _ = _empirical(model, params, prompt, 2, seed=2)
+    assert chi2_pvalue(counts, joint) < 1e-6

@@ -1,0 +1,22 @@
+"""`mtpkit export RUN_OR_CKPT --out DIR`: a training checkpoint -> HF-layout model directory (mtp.* included)."""
+
+from __future__ import annotations
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("export", help="write a training checkpoint as an HF model directory (mtp.* + tokenizer)")
+    p.add_argument("path", help="run directory (its newest checkpoint) or a checkpoint directory (checkpoints/step-N)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="cast the weights (default: as trained)")
+
+
+def run(args) -> int:
+    import torch
+
+    from ..train.checkpoint import export
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    out = export(args.path, args.out, dtype)
+    print(f"exported to {out}")
+    return 0

@@ -1,0 +1,84 @@
+"""Activation checkpointing, torch.compile and FSDP2, applied to a single-device CausalLM from outside, per block,
+in torchtitan's order (AC, then compile, then FSDP). The blocks are the trunk's decoder layers and the MTP
+module's decoder layers; the model code never knows it is wrapped.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("mtpkit")
+
+
+def _blocks(model) -> list[tuple[nn.ModuleList, int]]:
+    """(container, index) of every decoder layer: trunk first, then the MTP layers."""
+    out = [(model.model.layers, i) for i in range(len(model.model.layers))]
+    if getattr(model, "mtp", None) is not None:
+        out += [(model.mtp.layers, i) for i in range(len(model.mtp.layers))]
+    return out
+
+
+def apply_ac(model, mode: str = "full") -> None:
+    """Full activation checkpointing: each block keeps only its input and recomputes the rest in backward."""
+    if mode == "none":
+        return
+    if mode != "full":
+        raise ValueError(f"activation checkpointing mode must be 'none' or 'full', not {mode!r}")
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for container, i in _blocks(model):
+        container[i] = checkpoint_wrapper(container[i], preserve_rng_state=False)
+
+
+def apply_compile(model, **kwargs) -> None:
+    """torch.compile each block in place (names and state dict keys unchanged)."""
+    for container, i in _blocks(model):
+        container[i].compile(**kwargs)
+
+
+def apply_fsdp(model, mesh, *, param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32,
+               reshard_after_forward: bool = True, sum_gradients: bool = True) -> None:
+    """FSDP2 (`fully_shard`) on every block, then on the model. The root keeps the embedding, final norm, lm_head
+    and the MTP module's fc and norms, and (as FSDP2 does for a root) stays unsharded after forward, so a chunked
+    loss can use lm_head's weight after the forward returns.
+
+    MTP-only training (every non-mtp parameter frozen): the frozen trunk has no gradient to reduce and is called
+    outside forward() by the loss, so it stays replicated; only the MTP module (its layers, then the module) is
+    sharded.
+
+    sum_gradients: reduce-scatter with SUM instead of the mean over ranks, for losses already normalised by the
+    global token count (mtpkit.train.loss.compute_loss with token_counts)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mtp = getattr(model, "mtp", None)
+    trunk_trains = any(p.requires_grad for n, p in model.named_parameters() if not n.startswith("mtp."))
+    blocks = _blocks(model) if trunk_trains or mtp is None else [(mtp.layers, i) for i in range(len(mtp.layers))]
+    for container, i in blocks:
+        fully_shard(container[i], mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model if trunk_trains or mtp is None else mtp, mesh=mesh, mp_policy=mp)  # root: kept after forward
+    if sum_gradients:
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)
+
+
+def parallelize(model, dist, cfg_parallel, param_dtype: torch.dtype | None = None) -> nn.Module:
+    """Apply what the config asks for, in order: AC, compile, FSDP (on when launched with several ranks)."""
+    apply_ac(model, cfg_parallel.ac)
+    if cfg_parallel.compile:
+        apply_compile(model)
+    use_fsdp = cfg_parallel.fsdp == "on" or (cfg_parallel.fsdp == "auto" and dist.world > 1)
+    if use_fsdp:
+        if dist.mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            if not torch.distributed.is_initialized():
+                raise ValueError("parallel.fsdp = 'on' needs a torchrun launch (or an initialised process group)")
+            dist.mesh = init_device_mesh(dist.device.type, (dist.world,), mesh_dim_names=("dp",))
+        apply_fsdp(model, dist.mesh, param_dtype=param_dtype, reshard_after_forward=cfg_parallel.reshard_after_forward)
+        logger.info("FSDP2 over %d ranks: %d blocks sharded", dist.world, len(_blocks(model)))
+    return model

@@ -1,0 +1,296 @@
+"""Training configuration: a TOML file -> dataclasses, with `--section.key=value` overrides.
+
+Every section is a dataclass below; its fields are the valid keys. An unknown section or key is an error that
+names it and lists the valid ones, so a typo never silently trains with a default.
+
+    cfg = load_config("configs/shakespeare_qwen35_tiny.toml", ["--train.steps=10", "--optim.lr=1e-3"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigKeyError(ValueError):
+    """An unknown section/key or a value of the wrong type in a training config."""
+
+
+@dataclass
+class ModelSection:
+    path: str | None = None  # HF model directory or .gguf file to start from
+    config: dict | str | None = None  # or: a config.json dict / path, to train from scratch (mtpkit.build_model)
+    tokenizer: str | None = None  # HF tokenizer directory; default: model.path
+    dtype: str = "float32"  # parameter dtype (keep float32 for training; autocast is train.autocast)
+
+
+@dataclass
+class MTPSection:
+    depth: int = 1  # D: number of MTP depths trained (0: plain next-token training, no MTP module)
+    layers: int = 0  # MTP decoder layers of a new head (0: = depth); depths beyond them reuse the last layer
+    init: str = "checkpoint"  # "checkpoint" (the model's own head) | "random" | "last_layer" (copy trunk's last layer)
+    only: bool = False  # MTP-only: trunk, embedding and lm_head frozen; only mtp.* is trained
+    mtp_lambda: float = 0.1  # total MTP weight; depth d gets mtp_lambda / D unless `weights` is given
+    weights: list[float] | None = None  # explicit per-depth weights, e.g. [0.51, 0.31, 0.18]
+    lambda_schedule: list[list[float]] | None = None  # [[step, lambda], ...]: lambda from that step on
+    depth_curriculum: list[list[int]] | None = None  # [[step, depths], ...]: number of trained depths from that step on
+    ce_chunk_tokens: int = 2048  # cross-entropy chunk: logits of at most this many tokens exist at once
+
+
+@dataclass
+class DataSection:
+    paths: list[str] = field(default_factory=list)  # files or directories (.txt, .jsonl, .parquet)
+    format: str = "auto"  # "auto" (by extension) | "text" | "jsonl" | "parquet"
+    mode: str = "pretrain"  # "pretrain" (loss on every token) | "sft" (chat `messages`, assistant-only loss)
+    text_field: str = "text"  # JSONL/Parquet column holding the text (pretrain)
+    messages_field: str = "messages"  # JSONL/Parquet column holding chat messages (sft)
+    text_split: str = "file"  # plain text: one document per "file" | "paragraph" (blank line) | "line"
+    seq_len: int = 512  # packed row length in tokens
+    add_bos: bool = True  # prepend the tokenizer's BOS token (if it has one) to every pretraining document
+    add_eos: bool = True  # append the tokenizer's EOS token (if it has one) to every pretraining document
+    shuffle: bool = True  # shuffle documents and packed rows, with a fresh permutation per epoch
+    seed: int = 1234
+
+
+@dataclass
+class TrainSection:
+    run_dir: str = "runs/default"  # checkpoints, metrics.jsonl, config, tokenizer and plots go here
+    steps: int = 100  # optimizer steps
+    batch_size: int = 8  # global batch, in packed rows per optimizer step (over all ranks and micro-batches)
+    micro_batch_size: int = 0  # rows per forward/backward on one rank (0: the whole per-rank batch)
+    grad_clip: float = 1.0  # max global gradient norm (0: no clipping)
+    autocast: str = "auto"  # "auto" (bf16 on CUDA when supported, else fp32) | "bf16" | "fp32"
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    seed: int = 0  # model init and RNG seed
+    threads: int = 0  # torch CPU threads (0: torch's default)
+
+
+@dataclass
+class OptimSection:
+    lr: float = 3e-4  # peak learning rate of the trunk
+    lr_mtp: float | None = None  # peak learning rate of mtp.* parameters (default: lr)
+    weight_decay: float = 0.1  # on matrices; norms, biases and 1-D parameters get none
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 0  # linear warmup from 0 to the peak
+    schedule: str = "cosine"  # "cosine" (to min_lr_ratio * peak at the last step) | "constant"
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class CheckpointSection:
+    every: int = 0  # save a DCP checkpoint every N steps (0: only at the end and on SIGINT/SIGTERM)
+    keep: int = 2  # keep the newest N checkpoints
+    resume: str = "auto"  # "auto" (newest checkpoint in run_dir, if any) | "none" | a checkpoint directory
+    save_final: bool = True  # save after the last step
+
+
+@dataclass
+class ParallelSection:
+    fsdp: str = "auto"  # "auto" (when launched with several ranks) | "on" | "off"
+    reshard_after_forward: bool = True
+    ac: str = "none"  # activation checkpointing per block: "none" | "full"
+    compile: bool = False  # torch.compile each block (trunk and MTP layers)
+
+
+@dataclass
+class LogSection:
+    every: int = 1  # log line and metrics record every N steps
+    progress: bool = True  # tqdm progress bar (rank 0)
+    tensorboard: bool = False  # also write TensorBoard scalars to run_dir/tb (needs the tensorboard package)
+    peak_tflops: float = 0.0  # peak dense TFLOP/s per device for MFU (0: known GPUs only, none on CPU)
+
+
+@dataclass
+class TrainConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    mtp: MTPSection = field(default_factory=MTPSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    log: LogSection = field(default_factory=LogSection)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+_SECTION_TYPES = {f.name: type(f.default_factory()) for f in dataclasses.fields(TrainConfig)}
+_CHOICES = {
+    ("mtp", "init"): ("checkpoint", "random", "last_layer"),
+    ("data", "format"): ("auto", "text", "jsonl", "parquet"),
+    ("data", "mode"): ("pretrain", "sft"),
+    ("data", "text_split"): ("file", "paragraph", "line"),
+    ("train", "autocast"): ("auto", "bf16", "fp32"),
+    ("train", "device"): ("auto", "cpu", "cuda"),
+    ("optim", "schedule"): ("cosine", "constant"),
+    ("parallel", "fsdp"): ("auto", "on", "off"),
+    ("parallel", "ac"): ("none", "full"),
+    ("model", "dtype"): ("float32", "bfloat16", "float16"),
+}
+
+
+def valid_keys(section: str) -> list[str]:
+    return [f.name for f in dataclasses.fields(_SECTION_TYPES[section])]
+
+
+def _check_type(section: str, key: str, value: Any, annotation: str) -> Any:
+    """Light type check against the field's annotation string; ints are accepted where floats are expected."""
+    name = f"{section}.{key}"
+    ann = annotation.replace(" ", "")
+    if value is None:
+        if "None" not in ann:
+            raise ConfigKeyError(f"{name} cannot be empty")
+        return None
+    base = ann.split("|")
+    if isinstance(value, bool):
+        if "bool" not in base:
+            raise ConfigKeyError(f"{name} expects {annotation}, got a boolean ({value})")
+        return value
+    if "float" in base and isinstance(value, int):
+        return float(value)
+    for kind, typ in (("int", int), ("float", float), ("str", str), ("dict", dict)):
+        if kind in base and isinstance(value, typ):
+            return value
+    if any(b.startswith("list") for b in base) and isinstance(value, list):
+        return value
+    if "dict" in base and "str" in base and isinstance(value, str):
+        return value
+    raise ConfigKeyError(f"{name} expects {annotation}, got {type(value).__name__} ({value!r})")
+
+
+def _section_from_dict(section: str, values: dict) -> Any:
+    cls = _SECTION_TYPES[section]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise ConfigKeyError(
+                f"unknown config key '{section}.{key}'; valid keys in [{section}]: {', '.join(fields)}"
+            )
+        kwargs[key] = _check_type(section, key, value, str(fields[key].type))
+        choices = _CHOICES.get((section, key))
+        if choices and kwargs[key] not in choices:
+            raise ConfigKeyError(f"{section}.{key} = {value!r} is not one of: {', '.join(choices)}")
+    return cls(**kwargs)
+
+
+def config_from_dict(raw: dict) -> TrainConfig:
+    for section, values in raw.items():
+        if section not in _SECTION_TYPES:
+            raise ConfigKeyError(
+                f"unknown config section '[{section}]'; valid sections: {', '.join(_SECTION_TYPES)}"
+            )
+        if not isinstance(values, dict):
+            raise ConfigKeyError(f"'{section}' must be a [section] table, not a value ({values!r})")
+    cfg = TrainConfig(**{s: _section_from_dict(s, raw.get(s, {})) for s in _SECTION_TYPES})
+    validate(cfg)
+    return cfg
+
+
+def parse_value(text: str) -> Any:
+    """A TOML value (`3`, `1e-4`, `true`, `[0.5, 0.3]`, `"x"`); anything that is not valid TOML is a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply `--section.key=value` (or `section.key=value`) overrides to a raw config dict, in order."""
+    for item in overrides:
+        arg = item[2:] if item.startswith("--") else item
+        if "=" not in arg or "." not in arg.split("=", 1)[0]:
+            raise ConfigKeyError(f"override {item!r} must look like --section.key=value")
+        dotted, value = arg.split("=", 1)
+        section, key = dotted.split(".", 1)
+        if section not in _SECTION_TYPES:
+            raise ConfigKeyError(
+                f"unknown config section '{section}' in override {item!r}; valid sections: {', '.join(_SECTION_TYPES)}"
+            )
+        if key not in valid_keys(section):
+            raise ConfigKeyError(
+                f"unknown config key '{section}.{key}' in override {item!r}; "
+                f"valid keys in [{section}]: {', '.join(valid_keys(section))}"
+            )
+        raw.setdefault(section, {})[key] = parse_value(value)
+    return raw
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> TrainConfig:
+    """Read a TOML config (or start from defaults when path is None) and apply overrides."""
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise FileNotFoundError(f"config file {p} does not exist")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigKeyError(f"{p} is not valid TOML: {e}") from None
+    return config_from_dict(apply_overrides(raw, list(overrides)))
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Cross-field checks that no single type can express."""
+    if cfg.model.path is None and cfg.model.config is None:
+        raise ConfigKeyError("set model.path (HF directory or .gguf) or model.config (config.json dict/path)")
+    if cfg.model.path is not None and cfg.model.config is not None:
+        raise ConfigKeyError("set only one of model.path and model.config")
+    if cfg.mtp.depth < 0:
+        raise ConfigKeyError(f"mtp.depth must be >= 0, not {cfg.mtp.depth}")
+    if cfg.mtp.only and cfg.mtp.depth == 0:
+        raise ConfigKeyError("mtp.only needs mtp.depth >= 1")
+    if cfg.mtp.weights is not None and len(cfg.mtp.weights) != cfg.mtp.depth:
+        raise ConfigKeyError(f"mtp.weights has {len(cfg.mtp.weights)} entries but mtp.depth is {cfg.mtp.depth}")
+    for name in ("lambda_schedule", "depth_curriculum"):
+        sched = getattr(cfg.mtp, name)
+        if sched is not None and not all(isinstance(x, list) and len(x) == 2 for x in sched):
+            raise ConfigKeyError(f"mtp.{name} must be a list of [step, value] pairs, not {sched!r}")
+    if cfg.data.seq_len < 2:
+        raise ConfigKeyError(f"data.seq_len must be >= 2, not {cfg.data.seq_len}")
+    if cfg.mtp.depth and cfg.data.seq_len <= cfg.mtp.depth + 1:
+        raise ConfigKeyError(
+            f"data.seq_len = {cfg.data.seq_len} leaves no MTP target at depth {cfg.mtp.depth}: use seq_len > depth + 1"
+        )
+    for key in ("steps", "batch_size"):
+        if getattr(cfg.train, key) < 1:
+            raise ConfigKeyError(f"train.{key} must be >= 1")
+    if cfg.train.micro_batch_size < 0:
+        raise ConfigKeyError("train.micro_batch_size must be >= 0")
+    if cfg.optim.warmup_steps < 0 or cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
+        raise ConfigKeyError("optim.warmup_steps and checkpoint.every must be >= 0, checkpoint.keep >= 1")
+    if cfg.log.every < 1:
+        raise ConfigKeyError("log.every must be >= 1")
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v) if v == v and abs(v) != float("inf") else ("nan" if v != v else ("inf" if v > 0 else "-inf"))
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}" for k, x in v.items() if x is not None) + "}"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def to_toml(cfg: TrainConfig) -> str:
+    """The resolved config as TOML (None values omitted), saved in the run directory."""
+    lines = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None]
+        lines.append("")
+    return "\n".join(lines)

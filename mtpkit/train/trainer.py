@@ -1,0 +1,420 @@
+"""The training loop: packed data -> model (+ MTP) -> compute_loss -> AdamW, with checkpoints and metrics.
+
+    trainer = Trainer(load_config("configs/x.toml", ["--train.steps=100"]))
+    summary = trainer.fit()
+
+One optimizer step: the global batch (train.batch_size packed rows) is split over ranks and micro-batches; the
+valid-target counts of the whole global batch are summed first (count_tokens + all_reduce), so every micro-batch's
+loss is its CE sum over the *global* count and the summed gradients equal one big batch's, on any number of
+ranks (FSDP2 reduce-scatters with SUM). Then clipping, the optimizer and scheduler step, one log line, one JSONL
+record, and a DCP checkpoint every `checkpoint.every` steps, at the end, and on SIGINT/SIGTERM. A non-finite loss or
+gradient norm stops the run before the optimizer step, so the last checkpoint stays the last good one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..checkpoint.hf import build_model, hf_config_dict, load_model
+from ..models.mtp import add_mtp
+from ..parallel.distributed import all_reduce_sum, barrier, init_distributed, shutdown
+from ..parallel.apply import parallelize
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import TrainConfig, to_toml
+from .data import DataLoader, build_data, load_tokenizer
+from .flops import flops_per_token, peak_flops
+from .loss import LossConfig, compute_loss, count_tokens, freeze_trunk, shift_labels
+from .optim import build_optimizer, build_scheduler
+
+logger = logging.getLogger("mtpkit")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss or gradient norm became NaN/inf; the run stopped before updating the weights."""
+
+
+# ------------------------------------------------------------------------------------------------------ the model
+def _raw_model_config(spec) -> dict:
+    if isinstance(spec, dict):
+        return json.loads(json.dumps(spec))
+    p = Path(spec).expanduser()
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.exists():
+        raise FileNotFoundError(f"model.config: {p} does not exist")
+    return json.loads(p.read_text())
+
+
+def build_train_model(cfg: TrainConfig):
+    """The model a run trains: loaded (model.path) or built from a config.json (model.config), with an MTP head of
+    `mtp.layers or mtp.depth` layers from the checkpoint, random, or copied from the trunk's last layer."""
+    m = cfg.mtp
+    layers = m.layers or m.depth
+    dtype = _DTYPES[cfg.model.dtype]
+    if cfg.model.config is not None:
+        raw = _raw_model_config(cfg.model.config)
+        target = raw.get("text_config", raw)  # VLM layout: the text model's config
+        target["mtp_num_hidden_layers"] = layers if m.depth and m.init != "last_layer" else 0
+        model = build_model(raw, dtype=dtype)
+        if m.depth and m.init == "last_layer":
+            add_mtp(model, layers, "last_layer")
+        return model
+    path = Path(cfg.model.path).expanduser()
+    if m.depth == 0:
+        return load_model(path, dtype=dtype, mtp=False)
+    if m.init == "checkpoint":
+        model = load_model(path, dtype=dtype, mtp=True)
+        if model.mtp is None:
+            raise ValueError(
+                f"{path} has no MTP head (mtp.init = 'checkpoint'): set mtp.init = 'random' or 'last_layer' to add one"
+            )
+        if m.layers and m.layers != model.config.mtp_num_hidden_layers:
+            raise ValueError(f"mtp.layers = {m.layers} but {path} has a {model.config.mtp_num_hidden_layers}-layer "
+                             "MTP head: leave mtp.layers = 0 or use mtp.init = 'random' / 'last_layer'")
+        return model
+    model = load_model(path, dtype=dtype, mtp=False)
+    return add_mtp(model, layers, m.init)
+
+
+def loss_config(cfg: TrainConfig) -> LossConfig:
+    m = cfg.mtp
+    return LossConfig(mtp_lambda=m.mtp_lambda, mtp_weights=m.weights, lambda_schedule=m.lambda_schedule,
+                      depth_curriculum=m.depth_curriculum, mtp_depths=m.depth or None, mtp_only=m.only,
+                      ce_chunk_tokens=m.ce_chunk_tokens)
+
+
+def tokenizer_path(cfg: TrainConfig) -> str:
+    if cfg.model.tokenizer:
+        return cfg.model.tokenizer
+    if cfg.model.path:
+        return cfg.model.path
+    raise ValueError("model.config has no tokenizer: set model.tokenizer to an HF tokenizer directory")
+
+
+# ---------------------------------------------------------------------------------------------------- small helpers
+def autocast_dtype(choice: str, device: torch.device) -> torch.dtype | None:
+    if choice == "bf16":
+        return torch.bfloat16
+    if choice == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return None
+
+
+def memory_gb(device: torch.device) -> tuple[float, str]:
+    """Peak allocated GPU memory since the last reset, or the process's resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9, "peak"
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9, "rss"
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, "maxrss"
+
+
+def _fmt_list(xs, fmt) -> str:
+    return " ".join("-" if x is None else format(x, fmt) for x in xs)
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ------------------------------------------------------------------------------------------------------ the trainer
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        t = cfg.train
+        self.dist = init_distributed(t.device)
+        self.device = self.dist.device
+        if t.threads:
+            torch.set_num_threads(t.threads)
+        self.run_dir = Path(t.run_dir).expanduser()
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        _seed_all(t.seed)
+
+        self.tokenizer = load_tokenizer(tokenizer_path(cfg))
+        model = build_train_model(cfg)
+        if len(self.tokenizer) > model.config.vocab_size:
+            raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is "
+                             f"{model.config.vocab_size}: use the model's own tokenizer")
+        if cfg.mtp.only:
+            freeze_trunk(model)
+        self.loss_cfg = loss_config(cfg)
+        self.model_config = model.config
+        self.raw_config = hf_config_dict(model)
+        model.to(self.device)
+
+        data = build_data(cfg.data, self.tokenizer, cfg.mtp.depth)
+        self.loader = DataLoader(data, t.batch_size, self.dist.rank, self.dist.world)
+        per_rank = t.batch_size // self.dist.world
+        self.micro = t.micro_batch_size or per_rank
+        if per_rank % self.micro:
+            raise ValueError(f"the per-rank batch ({per_rank} rows) is not divisible by train.micro_batch_size "
+                             f"= {self.micro}")
+        self.amp_dtype = autocast_dtype(t.autocast, self.device)
+
+        self.model = parallelize(model, self.dist, cfg.parallel)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
+        self.step = 0
+        self.last_checkpoint: Path | None = None
+        self._write_run_files()
+        self._maybe_resume()
+
+        self.flops_per_token = flops_per_token(self.model_config, cfg.data.seq_len, cfg.mtp.depth, cfg.mtp.only)
+        self.peak = peak_flops(self.device, cfg.log.peak_tflops)
+        self._stop_signal: int | None = None
+        self._stop_requested = False
+
+    # -------------------------------------------------------------------------------------------------- run files
+    def _write_run_files(self) -> None:
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
+            (self.run_dir / "model_config.json").write_text(json.dumps(self.raw_config, indent=2) + "\n")
+            self.tokenizer.save_pretrained(str(self.run_dir / "tokenizer"))
+        barrier(self.dist)
+
+    def _maybe_resume(self) -> None:
+        resume = self.cfg.checkpoint.resume
+        ckpt = None
+        if resume == "auto":
+            ckpt = latest_checkpoint(self.run_dir)
+        elif resume != "none":
+            ckpt = Path(resume).expanduser()
+        if ckpt is None:
+            if self.dist.is_main and self.metrics_path.exists():
+                self.metrics_path.unlink()  # a fresh run in an old run_dir
+            return
+        self.step = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler, self.loader, self.dist)
+        self.last_checkpoint = ckpt
+        if self.dist.is_main:
+            logger.info("resumed from %s (step %d, %d rows consumed)", ckpt, self.step, self.loader.rows_consumed)
+            if self.metrics_path.exists():  # drop records of steps after the checkpoint (they will be redone)
+                keep = [ln for ln in self.metrics_path.read_text().splitlines()
+                        if ln.strip() and json.loads(ln)["step"] <= self.step]
+                self.metrics_path.write_text("".join(ln + "\n" for ln in keep))
+
+    # ----------------------------------------------------------------------------------------------------- steps
+    def _micro_batches(self, batch: dict) -> list[dict]:
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        batch["labels"] = shift_labels(batch["input_ids"], batch["segment_ids"], batch["loss_mask"])
+        rows = batch["input_ids"].shape[0]
+        return [{k: batch[k][i : i + self.micro] for k in ("input_ids", "labels", "segment_ids")}
+                for i in range(0, rows, self.micro)]
+
+    def train_step(self) -> dict:
+        """One optimizer step; returns its metrics (global over ranks). Raises NonFiniteLoss."""
+        step, cfg = self.step, self.cfg
+        t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        micros = self._micro_batches(self.loader.next_batch())
+        counts = [count_tokens(mb, self.loss_cfg, self.model, step) for mb in micros]
+        n_depths = len(counts[0]["mtp"])
+        local = [sum(c["main"] for c in counts)] + [sum(c["mtp"][d] for c in counts) for d in range(n_depths)]
+        glob = [int(x) for x in all_reduce_sum(local, self.dist)]
+        token_counts = {"main": glob[0], "mtp": glob[1:]}
+
+        loss_sum, main_sum = 0.0, 0.0
+        mtp_sum, correct = [0.0] * n_depths, [0.0] * n_depths
+        self.model.train()
+        for mb in micros:
+            with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                out = compute_loss(self.model, mb, self.loss_cfg, step, token_counts)
+            out.loss.backward()
+            loss_sum += float(out.loss.detach())
+            main_sum += float(out.main_loss) * out.main_tokens
+            for d in range(n_depths):
+                mtp_sum[d] += float(out.mtp_losses[d]) * out.mtp_tokens[d]
+                correct[d] += out.mtp_accuracy[d] * out.mtp_tokens[d]
+        stop = 1.0 if self._stop_signal is not None else 0.0
+        red = all_reduce_sum([loss_sum, main_sum, *mtp_sum, *correct, stop], self.dist)
+        loss, main = red[0], red[1] / max(glob[0], 1)
+        mtp = [red[2 + d] / max(glob[1 + d], 1) for d in range(n_depths)]
+        acc = [red[2 + n_depths + d] / max(glob[1 + d], 1) for d in range(n_depths)]
+        self._stop_requested = red[-1] > 0
+
+        if not math.isfinite(loss):
+            self._diverged(f"the loss is {loss} (main {main:.4g}, MTP {_fmt_list(mtp, '.4g')})")
+        grad_norm = self._clip_gradients()
+        if not math.isfinite(grad_norm):
+            self._diverged(f"the gradient norm is {grad_norm} (loss {loss:.4g})")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lrs = {g.get("name", str(i)): g["lr"] for i, g in enumerate(self.optimizer.param_groups)}
+        self.scheduler.step()
+        self.step += 1
+        dt = time.perf_counter() - t0
+
+        tokens = cfg.train.batch_size * cfg.data.seq_len
+        D = cfg.mtp.depth
+        rec = {
+            "step": self.step,
+            "loss": loss,
+            "main_loss": main,
+            "mtp_loss": (mtp + [None] * D)[:D],
+            "mtp_acc": (acc + [None] * D)[:D],
+            "lr": lrs.get("trunk", lrs.get("trunk_no_decay")),
+            "lr_mtp": lrs.get("mtp", lrs.get("mtp_no_decay")),
+            "grad_norm": grad_norm,
+            "tokens": tokens,
+            "tokens_per_s": tokens / dt,
+            "step_time": dt,
+            "epoch": self.loader.epoch,
+        }
+        if self.peak:
+            rec["mfu"] = self.flops_per_token * tokens / dt / (self.peak * self.dist.world)
+        rec["mem_gb"], rec["mem_kind"] = memory_gb(self.device)
+        return rec
+
+    def _clip_gradients(self) -> float:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        if hasattr(norm, "full_tensor"):  # DTensor (FSDP2): the partial norms reduced over ranks
+            norm = norm.full_tensor()
+        if self.cfg.train.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_([p for p in self.model.parameters() if p.grad is not None],
+                                                 self.cfg.train.grad_clip, norm)
+        return float(norm)
+
+    def _diverged(self, what: str) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        last = (f"the last good checkpoint is {self.last_checkpoint}; resume from it (e.g. with a lower optim.lr) "
+                "by running the same command") if self.last_checkpoint else "no checkpoint was written before it"
+        raise NonFiniteLoss(f"training stopped at step {self.step + 1}: {what}. The weights were not updated with it "
+                            f"and no checkpoint was written for it; {last}.")
+
+    # ------------------------------------------------------------------------------------------------------- log
+    def _log(self, rec: dict, bar) -> None:
+        if not self.dist.is_main:
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self._tb is not None:
+            for k in ("loss", "main_loss", "lr", "lr_mtp", "grad_norm", "tokens_per_s", "mfu", "mem_gb"):
+                if rec.get(k) is not None:
+                    self._tb.add_scalar(f"train/{k}", rec[k], rec["step"])
+            for d, (l, a) in enumerate(zip(rec["mtp_loss"], rec["mtp_acc"]), 1):
+                if l is not None:
+                    self._tb.add_scalar(f"mtp/loss_{d}", l, rec["step"])
+                    self._tb.add_scalar(f"mtp/acc_{d}", a, rec["step"])
+        if rec["step"] % self.cfg.log.every and rec["step"] != self.cfg.train.steps:
+            return
+        parts = [f"step {rec['step']:>{len(str(self.cfg.train.steps))}}/{self.cfg.train.steps}",
+                 f"loss {rec['loss']:.4f}", f"main {rec['main_loss']:.4f}"]
+        if self.cfg.mtp.depth:
+            parts += [f"mtp {_fmt_list(rec['mtp_loss'], '.3f')}", f"acc {_fmt_list(rec['mtp_acc'], '.3f')}"]
+        parts += [f"lr {rec['lr']:.2e}" if rec["lr"] is not None else f"lr_mtp {rec['lr_mtp']:.2e}",
+                  f"gnorm {rec['grad_norm']:.3f}", f"{rec['tokens_per_s'] / 1e3:.2f}k tok/s"]
+        if "mfu" in rec:
+            parts.append(f"mfu {100 * rec['mfu']:.1f}%")
+        parts.append(f"mem {rec['mem_gb']:.2f}G {rec['mem_kind']}")
+        line = " | ".join(parts)
+        if bar is not None and not bar.disable:
+            bar.write(line, file=sys.stdout)
+        else:
+            print(line, flush=True)
+
+    # ------------------------------------------------------------------------------------------------------ fit
+    def save(self) -> Path:
+        self.last_checkpoint = save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.scheduler,
+                                               self.loader, self.dist, self.cfg.checkpoint.keep)
+        if self.dist.is_main:
+            logger.info("saved checkpoint %s", self.last_checkpoint)
+        return self.last_checkpoint
+
+    def _on_signal(self, signum, frame) -> None:
+        if self._stop_signal is not None:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self._stop_signal = signum
+        if self.dist.is_main:
+            print(f"\nreceived {signal.Signals(signum).name}: finishing step {self.step + 1}, saving a checkpoint, "
+                  "then exiting (again to abort)", file=sys.stderr, flush=True)
+
+    def fit(self) -> dict:
+        """Train to train.steps (or until SIGINT/SIGTERM). Returns a summary: final step, status, checkpoint,
+        first and last metrics records."""
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        self._tb = None
+        if cfg.log.tensorboard and self.dist.is_main:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tb"))
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                handlers[sig] = signal.signal(sig, self._on_signal)
+        if self.dist.is_main:
+            n_params = sum(p.numel() for p in self.model.parameters())
+            n_train = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            logger.info("model %s: %.2fM params (%.2fM trained), MTP depth %d%s; %d ranks, device %s%s; "
+                        "%.3g GFLOP/token", self.model_config.model_type, n_params / 1e6, n_train / 1e6,
+                        cfg.mtp.depth, " (MTP-only)" if cfg.mtp.only else "", self.dist.world, self.device.type,
+                        f", autocast {self.amp_dtype}" if self.amp_dtype else "", self.flops_per_token / 1e9)
+        bar = tqdm(total=cfg.train.steps, initial=self.step, disable=not (self.dist.is_main and cfg.log.progress),
+                   dynamic_ncols=True, desc="train")
+        status, first, last = "finished", None, None
+        try:
+            while self.step < cfg.train.steps:
+                rec = self.train_step()
+                first = first or rec
+                last = rec
+                self._log(rec, bar)
+                bar.update(1)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
+                if self._stop_requested:
+                    status = "interrupted"
+                    self.save()
+                    break
+                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < cfg.train.steps:
+                    self.save()
+            if status == "finished" and cfg.checkpoint.save_final and self.step > 0 and (
+                self.last_checkpoint is None or not self.last_checkpoint.name.endswith(f"{self.step:08d}")
+            ):
+                self.save()
+        finally:
+            bar.close()
+            for sig, h in handlers.items():
+                signal.signal(sig, h)
+            if self._tb is not None:
+                self._tb.close()
+        if status == "interrupted" and self.dist.is_main:
+            logger.info("stopped at step %d on %s; checkpoint %s; run the same command to resume", self.step,
+                        signal.Signals(self._stop_signal).name if self._stop_signal else "a signal on another rank",
+                        self.last_checkpoint)
+        return {"step": self.step, "status": status, "checkpoint": self.last_checkpoint, "first": first, "last": last}
+
+    def close(self) -> None:
+        shutdown(self.dist)
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Build a Trainer, fit, and shut the process group down."""
+    trainer = Trainer(cfg)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()

@@ -137,6 +137,30 @@ def test_default_weights_are_lambda_over_depths(model):
     torch.testing.assert_close(out.loss.detach(), total)
 
 
+def test_no_logits_are_kept_for_backward(model):
+    """The autograd graph holds no [rows, V] tensor larger than one CE chunk, whatever the number of depths."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    shapes = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:  # weights (and their transposes) are not activations
+            shapes.append(t.shape)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = compute_loss(model, make_batch(True), LossConfig(mtp_depths=3, ce_chunk_tokens=8))
+    assert shapes and not [s for s in shapes if s and s[-1] == 256 and s.numel() > 8 * 256]
+    out.loss.backward()
+    model.zero_grad()
+
+
+def test_evaluation_under_no_grad(model):
+    batch = make_batch(True)
+    with torch.no_grad():
+        out = compute_loss(model, batch, LossConfig(ce_chunk_tokens=8))
+    torch.testing.assert_close(out.loss, compute_loss(model, batch, LossConfig()).loss.detach())
+
+
 # ---- MTP-only mode -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3"])  # untied and tied lm_head

@@ -68,7 +68,8 @@ class LossConfig:
     mtp_weights: list[float] | None = None  # explicit per-depth weights (FastMTP: [0.51, 0.31, 0.18])
     lambda_schedule: list[list] | None = None  # [[step, lambda], ...]: lambda from that step on
     depth_curriculum: list[list] | None = None  # [[step, n_depths], ...]: trained depths grow with steps
-    mtp_depths: int | None = None  # chained depths (default: the model's MTP layers; beyond them the last is reused)
+    # chained depths (default: len(mtp_weights), else the model's MTP layers); beyond D the last layer is reused
+    mtp_depths: int | None = None
     mtp_only: bool = False  # only mtp.* trains; trunk, embedding and lm_head get no gradient
     ce_chunk_tokens: int = 2048  # CE over chunks of this many tokens
 

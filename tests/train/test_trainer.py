@@ -1,0 +1,235 @@
+"""The trainer end to end on a tiny Qwen3.5-architecture model: a smoke run through the CLI (metrics, plot),
+NaN stopping with the last good checkpoint kept, MTP-only mode, lr_mtp groups and the schedule, FLOPs.
+
+The helpers at the top (a tiny corpus, BPE tokenizer and config) are shared by the other tests in tests/train.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtpkit.train.config import config_from_dict
+
+TINY_MODEL = {
+    "model_type": "qwen3_5_text", "vocab_size": 320, "hidden_size": 32, "num_hidden_layers": 2,
+    "layer_types": ["linear_attention", "full_attention"], "num_attention_heads": 2, "num_key_value_heads": 1,
+    "head_dim": 32, "intermediate_size": 64, "linear_num_key_heads": 2, "linear_num_value_heads": 2,
+    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "tie_word_embeddings": True,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                        "mrope_section": [2, 1, 1]},
+}
+
+_WORDS = ("the king hath spoken and the queen is gone to rest while the fool doth sing of winter rain and wind "
+          "my lord the night is cold and full of stars good morrow sweet lady how fares thy noble father").split()
+
+
+def make_corpus(root: Path, n_docs: int = 12, seed: int = 0) -> Path:
+    """n_docs small text files of pseudo-random verse (lengths vary, so rows mix documents)."""
+    g = torch.Generator().manual_seed(seed)
+    d = root / "text"
+    d.mkdir(parents=True, exist_ok=True)
+    for i in range(n_docs):
+        n = int(torch.randint(40, 220, (1,), generator=g))
+        words = [_WORDS[int(j)] for j in torch.randint(0, len(_WORDS), (n,), generator=g)]
+        lines = [" ".join(words[k : k + 8]) for k in range(0, n, 8)]
+        (d / f"doc{i:02d}.txt").write_text("\n".join(lines) + "\n")
+    return d
+
+
+def make_tokenizer(root: Path, corpus: Path | None = None):
+    """A byte-level BPE tokenizer (vocab 320) with a ChatML chat template, saved under root/tok."""
+    from mtpkit.train.data import train_bpe_tokenizer
+
+    texts = [f.read_text() for f in sorted(corpus.glob("*.txt"))] if corpus else [" ".join(_WORDS)] * 4
+    return train_bpe_tokenizer(texts, 320, root / "tok")
+
+
+def tiny_raw_config(root: Path, **sections) -> dict:
+    """A raw config dict for a tiny run in root (corpus and tokenizer created if missing); `sections` override
+    per section, e.g. train={"steps": 3}."""
+    root = Path(root)
+    corpus = root / "text"
+    if not corpus.exists():
+        make_corpus(root)
+    if not (root / "tok" / "tokenizer.json").exists():
+        make_tokenizer(root, corpus)
+    raw = {
+        "model": {"config": dict(TINY_MODEL), "tokenizer": str(root / "tok")},
+        "mtp": {"depth": 2, "init": "random"},
+        "data": {"paths": [str(corpus)], "seq_len": 32},
+        "train": {"run_dir": str(root / "run"), "steps": 4, "batch_size": 4, "micro_batch_size": 2, "threads": 1},
+        "optim": {"lr": 3e-3, "warmup_steps": 1},
+        "checkpoint": {"every": 2},
+        "log": {"progress": False},
+    }
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    return raw
+
+
+def tiny_config(root: Path, **sections):
+    return config_from_dict(tiny_raw_config(root, **sections))
+
+
+def write_toml(path: Path, raw: dict) -> Path:
+    from mtpkit.train.config import to_toml
+
+    path.write_text(to_toml(config_from_dict(raw)))
+    return path
+
+
+def read_metrics(run_dir) -> list[dict]:
+    from mtpkit.plot import read_metrics as read
+
+    return read(run_dir)
+
+
+# --------------------------------------------------------------------------------------------------------- tests
+def test_smoke_run_through_cli_writes_metrics_checkpoints_and_plot(tmp_path, capsys):
+    from mtpkit.cli import main
+
+    cfg = write_toml(tmp_path / "cfg.toml", tiny_raw_config(tmp_path))
+    assert main(["train", str(cfg), "--train.steps=4", "--log.tensorboard=true"]) == 0
+    out = capsys.readouterr().out
+    assert "step 4/4" in out and "acc" in out and "tok/s" in out and "mem" in out
+    recs = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    for r in recs:
+        assert math.isfinite(r["loss"]) and len(r["mtp_loss"]) == 2 and len(r["mtp_acc"]) == 2
+        # the objective is main + sum_d (lambda / D) * CE_d
+        assert r["loss"] == pytest.approx(r["main_loss"] + 0.05 * sum(r["mtp_loss"]), rel=1e-5)
+    ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert ckpts == ["step-00000002", "step-00000004"]
+    assert (tmp_path / "run" / "config.toml").exists() and (tmp_path / "run" / "tokenizer" / "tokenizer.json").exists()
+    assert any((tmp_path / "run" / "tb").iterdir())
+    assert main(["plot", str(tmp_path / "run"), "--out", str(tmp_path / "curves.png")]) == 0
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    # the run is complete: running the same command again resumes at step 4 and does nothing
+    assert main(["train", str(cfg), "--train.steps=4"]) == 0
+    assert len(read_metrics(tmp_path / "run")) == 4
+
+
+def test_nan_loss_stops_with_clear_message_and_keeps_last_good_checkpoint(tmp_path):
+    from mtpkit.train.checkpoint import latest_checkpoint
+    from mtpkit.train.trainer import NonFiniteLoss, Trainer
+
+    trainer = Trainer(tiny_config(tmp_path, train={"steps": 6}, checkpoint={"every": 2}))
+    calls = {"n": 0}
+
+    def poison(module, args, output):  # the 4th optimizer step's micro-batches produce NaN
+        calls["n"] += 1
+        return output * float("nan") if calls["n"] > 6 else output
+
+    trainer.model.model.layers[0].register_forward_hook(poison)  # 2 micro-batches per step
+    good = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.raises(NonFiniteLoss) as e:
+        trainer.fit()
+    msg = str(e.value)
+    assert "step 4" in msg and "nan" in msg and "step-00000002" in msg and "not updated" in msg
+    assert latest_checkpoint(tmp_path / "run").name == "step-00000002"
+    assert not any(math.isnan(v.float().sum()) for v in trainer.model.state_dict().values())
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
+    assert any(not torch.equal(good[k], v) for k, v in trainer.model.state_dict().items())  # it did train
+
+
+def test_mtp_only_leaves_trunk_bit_identical_and_uses_lr_mtp(tmp_path):
+    from mtpkit.train.trainer import Trainer
+
+    trainer = Trainer(tiny_config(tmp_path, mtp={"only": True}, optim={"lr": 1e-3, "lr_mtp": 5e-3},
+                                  train={"steps": 2}, checkpoint={"every": 0, "save_final": False}))
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    names = {g["name"] for g in trainer.optimizer.param_groups}
+    assert names == {"mtp", "mtp_no_decay"}  # the frozen trunk is not even in the optimizer
+    assert all(g["initial_lr"] == 5e-3 for g in trainer.optimizer.param_groups)
+    trainer.fit()
+    after = trainer.model.state_dict()
+    for k, v in after.items():
+        assert torch.equal(before[k], v) != k.startswith("mtp."), k
+    assert all(p.grad is None for n, p in trainer.model.named_parameters() if not n.startswith("mtp."))
+
+
+def test_mtp_head_from_checkpoint_or_last_layer(tmp_path):
+    import mtpkit
+    from mtpkit.train.trainer import build_train_model
+
+    raw = tiny_raw_config(tmp_path)
+    model = mtpkit.build_model(dict(TINY_MODEL))
+    mtpkit.save_model(model, tmp_path / "plain")
+    raw["model"] = {"path": str(tmp_path / "plain"), "tokenizer": str(tmp_path / "tok")}
+    raw["mtp"] = {"depth": 2, "init": "checkpoint"}
+    with pytest.raises(ValueError, match="has no MTP head.*'random' or 'last_layer'"):
+        build_train_model(config_from_dict(raw))
+    raw["mtp"]["init"] = "last_layer"
+    m = build_train_model(config_from_dict(raw))
+    last = m.model.layers[1].state_dict()
+    assert m.config.mtp_num_hidden_layers == 2
+    assert all(torch.equal(v, m.mtp.layers[1].state_dict()[k]) for k, v in last.items())
+    mtpkit.save_model(m, tmp_path / "with_mtp")
+    raw["model"]["path"] = str(tmp_path / "with_mtp")
+    raw["mtp"] = {"depth": 3, "init": "checkpoint"}  # 2 layers, 3 chained depths (the last layer is reused)
+    m2 = build_train_model(config_from_dict(raw))
+    assert torch.equal(m2.mtp.fc.weight, m.mtp.fc.weight)
+
+
+def test_lr_schedule_warmup_cosine_and_groups():
+    from mtpkit.train.optim import lr_factor, param_groups
+    import mtpkit
+
+    assert [lr_factor(s, 10, 2) for s in (0, 1)] == [0.5, 1.0]
+    assert lr_factor(2, 10, 2) == pytest.approx(1.0) and lr_factor(9, 10, 2) == pytest.approx(0.1)
+    assert lr_factor(5, 10, 0, "constant") == 1.0
+    model = mtpkit.build_model(dict(TINY_MODEL, mtp_num_hidden_layers=1))
+    groups = {g["name"]: g for g in param_groups(model, 1e-3, 1e-4, 0.1)}
+    assert set(groups) == {"trunk", "trunk_no_decay", "mtp", "mtp_no_decay"}
+    assert groups["mtp"]["lr"] == 1e-4 and groups["trunk"]["lr"] == 1e-3 and groups["mtp_no_decay"]["weight_decay"] == 0
+    n = sum(p.numel() for g in groups.values() for p in g["params"])
+    assert n == sum(p.numel() for p in model.parameters())
+
+
+def test_flops_count_mtp_layers_and_their_lm_head():
+    from mtpkit.models.config import config_from_hf
+    from mtpkit.train.flops import flops_per_token, layer_flops
+
+    c = config_from_hf(dict(TINY_MODEL))
+    T, H, V = 64, c.hidden_size, c.vocab_size
+    base = flops_per_token(c, T, 0)
+    w, mix = layer_flops(c, "full_attention", False, T)
+    per_depth = 6 * (w + 2 * H * H + H * V) + 3 * mix
+    assert flops_per_token(c, T, 2) - base == per_depth * 2
+    # MTP-only: trunk forward only, the lm_head of each depth passes an input gradient but trains no weight
+    only = flops_per_token(c, T, 2, mtp_only=True)
+    assert only < flops_per_token(c, T, 2)
+    assert only - flops_per_token(c, T, 0, mtp_only=True) == 2 * (6 * (w + 2 * H * H) + 3 * mix + 4 * H * V)
+
+
+def test_missing_data_and_short_documents_are_clear_errors(tmp_path):
+    from mtpkit.cli import main
+
+    raw = tiny_raw_config(tmp_path)
+    raw["data"]["paths"] = [str(tmp_path / "nope.txt")]
+    assert main(["train", str(write_toml(tmp_path / "a.toml", raw))]) == 2
+    (tmp_path / "empty.jsonl").write_text("\n")
+    raw["data"]["paths"] = [str(tmp_path / "empty.jsonl")]
+    assert main(["train", str(write_toml(tmp_path / "b.toml", raw))]) == 2
+    (tmp_path / "short").mkdir()
+    for i in range(3):
+        (tmp_path / "short" / f"{i}.txt").write_text("the")  # 1 token + EOS < depth + 2
+    raw["data"]["paths"] = [str(tmp_path / "short")]
+    with pytest.raises(ValueError, match="shorter than 4 tokens"):
+        from mtpkit.train.trainer import Trainer
+
+        Trainer(config_from_dict(raw))
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    from mtpkit.cli import main
+
+    cfg = write_toml(tmp_path / "cfg.toml", tiny_raw_config(tmp_path))
+    assert main(["train", str(cfg), "--train.stepz=3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "unknown config key 'train.stepz'" in err and "steps" in err

@@ -1,8 +1,9 @@
 """HF-layout checkpoints in and out: config.json + safetensors (single or sharded), `mtp.*` included.
 
 Loading builds the model on the meta device and reads tensors one at a time from the shards, so peak memory is
-about one copy of the weights. Tensors mtpkit does not use yet (`model.visual.*`) are kept and written back on
-save, so a load/save round trip never loses part of a checkpoint (HF transformers drops `mtp.*` both ways).
+about one copy of the weights. A VLM checkpoint loads as its text model unless `vision=True` asks for the
+VisionLanguageModel; the text model keeps `model.visual.*` and writes it back on save, so a load/save round trip
+never loses part of a checkpoint (HF transformers drops `mtp.*` both ways).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from safetensors.torch import save_file
 from ..models.config import ConfigError, config_from_hf, text_config_dict
 from ..models.init import init_weights
 from ..models.transformer import CausalLM
+from ..models.vlm import VisionLanguageModel
 
 
 class CheckpointError(ValueError):
@@ -33,20 +35,53 @@ class CheckpointInfo:
     vlm_layout: bool = False
     passthrough: dict[str, torch.Tensor] = field(default_factory=dict)  # e.g. model.visual.*, saved verbatim
     source: str | None = None
+    transposed_experts: bool = False  # fused experts saved as [E, H, 2I] / [E, I, H] (Qwen3-VL-MoE releases)
 
 
 _VLM_PREFIX = "model.language_model."
 _PASSTHROUGH = re.compile(r"^(model\.visual\.|visual\.)")
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_FUSED_EXPERT = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+# Released Qwen3-VL-MoE checkpoints (and vLLM) store fused experts transposed: gate_up_proj [E, H, 2I],
+# down_proj [E, I, H]; HF's save_pretrained writes mtpkit's [E, 2I, H] / [E, H, I]. Both load.
+_TRANSPOSED_EXPERTS = {"qwen3_vl_moe_text"}
 
 
-def build_model(raw_config: dict, *, dtype=torch.float32, device="cpu") -> CausalLM:
-    """A randomly initialised model from a config.json dict (any supported layout)."""
+def _untranspose_experts(state: dict, expected: dict, model_type: str) -> bool:
+    """Bring transposed fused experts to mtpkit's layout in place; returns whether the checkpoint had them.
+    One tensor of each (gate_up, down) pair is never square (2I != H or I != H), so the shapes decide."""
+    fused = [k for k in state if _FUSED_EXPERT.search(k)]
+    if model_type not in _TRANSPOSED_EXPERTS:
+        return False
+    if not fused:
+        return True  # per-expert source: save in the released layout
+    transposed = any(state[k].shape != expected[k] and state[k].mT.shape == expected[k] for k in fused)
+    if transposed:
+        for k in fused:
+            state[k] = state[k].transpose(1, 2).contiguous()
+    return transposed
+
+
+def _new_model(raw: dict, config, vision: bool) -> CausalLM:
+    if not vision:
+        return CausalLM(config)
+    try:
+        return VisionLanguageModel.from_hf_config(raw, config)
+    except ValueError as e:
+        raise CheckpointError(f"{e}: load it without vision=True") from None
+
+
+def build_model(raw_config: dict, *, dtype=torch.float32, device="cpu", vision: bool = False) -> CausalLM:
+    """A randomly initialised model from a config.json dict (any supported layout); `vision=True`: a
+    VisionLanguageModel from a VLM config."""
     with torch.device(device):
-        model = CausalLM(config_from_hf(raw_config)).to(dtype)
+        model = _new_model(raw_config, config_from_hf(raw_config), vision).to(dtype)
     init_weights(model)
     _, vlm = text_config_dict(raw_config)
-    model.checkpoint_info = CheckpointInfo(raw_config=json.loads(json.dumps(raw_config)), vlm_layout=vlm)
+    model.checkpoint_info = CheckpointInfo(
+        raw_config=json.loads(json.dumps(raw_config)), vlm_layout=vlm,
+        transposed_experts=model.config.model_type in _TRANSPOSED_EXPERTS,
+    )
     return model
 
 
@@ -133,10 +168,13 @@ def _fmt(names, n=6) -> str:
     return ", ".join(names[:n]) + more
 
 
-def load_model(path, *, dtype: torch.dtype | None = torch.float32, device="cpu", mtp: bool = True) -> CausalLM:
+def load_model(
+    path, *, dtype: torch.dtype | None = torch.float32, device="cpu", mtp: bool = True, vision: bool = False
+) -> CausalLM:
     """Load an HF model directory (text or VLM layout, single or sharded safetensors) or a Llama-family .gguf.
 
-    `dtype=None` keeps each tensor's stored dtype. `mtp=False` ignores a checkpoint's MTP head.
+    `dtype=None` keeps each tensor's stored dtype. `mtp=False` ignores a checkpoint's MTP head. `vision=True`
+    loads a VLM checkpoint as a VisionLanguageModel (vision tower included) instead of its text model.
     """
     path = Path(path)
     raw, source = _read_source(path)
@@ -157,7 +195,7 @@ def load_model(path, *, dtype: torch.dtype | None = torch.float32, device="cpu",
         )
 
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = _new_model(raw, config, vision)
     expected = {k: v.shape for k, v in model.state_dict().items()}
 
     # checkpoint name -> internal name; per-expert tensors are fused on the fly
@@ -166,7 +204,13 @@ def load_model(path, *, dtype: torch.dtype | None = torch.float32, device="cpu",
     passthrough, unexpected = [], []
     for name in names:
         if _PASSTHROUGH.match(name):
-            passthrough.append(name)
+            internal = _PASSTHROUGH.sub("visual.", name)
+            if not vision:
+                passthrough.append(name)
+            elif internal in expected:
+                plan[internal] = name
+            else:
+                unexpected.append(name)
             continue
         if name.startswith("mtp.") and not mtp:
             continue
@@ -211,6 +255,7 @@ def load_model(path, *, dtype: torch.dtype | None = torch.float32, device="cpu",
             torch.stack([torch.cat([source.get(per[e]["gate"]), source.get(per[e]["up"])]) for e in range(E)])
         )
         state[f"{prefix}.down_proj"] = convert(torch.stack([source.get(per[e]["down"]) for e in range(E)]))
+    transposed = _untranspose_experts(state, expected, config.model_type)
     wrong = [f"{k} {tuple(v.shape)} (config expects {tuple(expected[k])})" for k, v in state.items() if v.shape != expected[k]]
     if wrong:
         raise CheckpointError(f"{path}: wrong-shaped tensors: {_fmt(wrong, 4)}: config.json does not match these weights")
@@ -220,6 +265,7 @@ def load_model(path, *, dtype: torch.dtype | None = torch.float32, device="cpu",
         vlm_layout=vlm,
         passthrough={n: source.get(n) for n in passthrough},
         source=str(path),
+        transposed_experts=transposed,
     )
     if passthrough:
         import logging
@@ -236,8 +282,12 @@ def checkpoint_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     info: CheckpointInfo = getattr(model, "checkpoint_info", None) or CheckpointInfo(raw_config={})
     out = {}
     for name, t in model.state_dict().items():
+        if info.transposed_experts and _FUSED_EXPERT.search(name):
+            t = t.transpose(1, 2)
         if info.vlm_layout and name.startswith("model."):
             name = _VLM_PREFIX + name[len("model.") :]
+        elif name.startswith("visual."):
+            name = "model." + name
         out[name] = t
     out.update(info.passthrough)
     return out

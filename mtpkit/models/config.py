@@ -15,11 +15,15 @@ _FAMILIES = {
     "qwen2": dict(qkv_bias=True),
     "qwen3": dict(qk_norm=True),
     "qwen3_vl_text": dict(qk_norm=True),
+    "qwen3_vl_moe_text": dict(qk_norm=True),
     "qwen3_5_text": dict(qk_norm=True, zero_centered_norm=True, attn_output_gate=True, hybrid=True),
     "qwen3_5_moe_text": dict(qk_norm=True, zero_centered_norm=True, attn_output_gate=True, hybrid=True),
     "qwen3_next": dict(qk_norm=True, zero_centered_norm=True, attn_output_gate=True, hybrid=True, fused_gdn_proj=True),
 }
-_VLM_WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl": "qwen3_vl_text"}
+_VLM_WRAPPERS = {
+    "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl": "qwen3_vl_text",
+    "qwen3_vl_moe": "qwen3_vl_moe_text",
+}
 SUPPORTED_MODEL_TYPES = tuple(sorted(set(_FAMILIES) | set(_VLM_WRAPPERS)))
 
 
@@ -95,8 +99,9 @@ def text_config_dict(raw: dict) -> tuple[dict, bool]:
             raise ConfigError(f"config.json has model_type '{model_type}' but no text_config: the file is incomplete")
         text = dict(raw["text_config"])
         text.setdefault("model_type", _VLM_WRAPPERS[model_type])
-        # tie_word_embeddings sometimes lives only at the top level of released VLM configs
-        if "tie_word_embeddings" not in text and "tie_word_embeddings" in raw:
+        # HF's *ForConditionalGeneration ties by the top-level flag (released configs sometimes have it only
+        # there); text_config may hold a stale class default (HF 5.24 writes True for qwen3_vl_moe_text)
+        if "tie_word_embeddings" in raw:
             text["tie_word_embeddings"] = raw["tie_word_embeddings"]
         if "mtp_num_hidden_layers" not in text and "mtp_num_hidden_layers" in raw:
             text["mtp_num_hidden_layers"] = raw["mtp_num_hidden_layers"]
@@ -177,7 +182,8 @@ def config_from_hf(raw: dict) -> ModelConfig:
             linear_key_head_dim=c.get("linear_key_head_dim", 0),
             linear_value_head_dim=c.get("linear_value_head_dim", 0),
             linear_conv_kernel_dim=c.get("linear_conv_kernel_dim", 4),
-            num_experts=c.get("num_experts", 0) or 0,
+            # HF's Qwen3-VL-MoE config saves num_experts as num_local_experts
+            num_experts=c.get("num_experts", c.get("num_local_experts", 0)) or 0,
             num_experts_per_tok=c.get("num_experts_per_tok", 0) or 0,
             moe_intermediate_size=c.get("moe_intermediate_size", 0) or 0,
             shared_expert_intermediate_size=c.get("shared_expert_intermediate_size", 0) or 0,

@@ -88,11 +88,13 @@ class CausalLM(nn.Module):
         cache_positions: torch.Tensor | None = None,
         mtp: bool | int = False,
         return_logits: bool = True,
+        deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
     ) -> ModelOutput:
         """input_ids [B, T] (or inputs_embeds [B, T, H]); positions [B, T] or MRoPE [3, B, T]; segment_ids [B, T]
         for packed documents. `mtp=True` adds teacher-forced MTP outputs for depths 1..D (`mtp=n`: n chained
         depths, reusing the last MTP layer beyond D). With `return_logits=False` only hidden states are
-        returned, so a trainer can compute the loss in chunks."""
+        returned, so a trainer can compute the loss in chunks. `deepstack` = (visual mask [B, T], list of
+        [N_visual, H]): Qwen3-VL adds entry i to the visual positions after decoder layer i."""
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         B, T, _ = x.shape
         if positions is None:
@@ -110,6 +112,9 @@ class CausalLM(nn.Module):
         h = x
         for i, layer in enumerate(self.model.layers):
             h = layer(h, ctx, None if cache is None else cache.layers[i])
+            if deepstack is not None and i < len(deepstack[1]):
+                mask = deepstack[0]
+                h = h.masked_scatter(mask[..., None], h[mask] + deepstack[1][i].to(h.dtype))
         hidden = self.model.norm(h)
         out = ModelOutput(self.logits(hidden) if return_logits else None, hidden)
         if mtp:

@@ -116,3 +116,35 @@ def random_mtp_tensors(model, depth: int = 1, seed: int = 1) -> dict[str, torch.
             if k.startswith(lp):
                 out[f"mtp.layers.{d}." + k[len(lp):]] = torch.randn(v.shape, generator=g) * (0.3 if v.dim() == 1 else 0.05)
     return out
+
+
+VLM_FAMILIES = ["qwen3_vl", "qwen3_vl_moe", "qwen3_5_vlm", "qwen3_5_moe_vlm"]
+VLM_TOKENS = dict(image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
+
+
+def hf_vlm_model(family: str) -> torch.nn.Module:
+    """A tiny random HF vision-language model: the two of `hf_model` plus the MoE variants (Qwen3-VL-MoE with a
+    two-level DeepStack, a dense layer among MoE ones and 2I != H so its transposed experts cannot pass unnoticed;
+    Qwen3.5-MoE without DeepStack)."""
+    if family in ("qwen3_vl", "qwen3_5_vlm"):
+        return hf_model(family)
+    torch.manual_seed(0)
+    if family == "qwen3_vl_moe":
+        text = dict(_DENSE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1],
+                    rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [3, 3, 2],
+                                     "mrope_interleaved": True})
+        vision = dict(_VISION, depth=2, deepstack_visual_indexes=[0, 1])
+        m = tf.Qwen3VLMoeForConditionalGeneration(tf.Qwen3VLMoeConfig(text_config=text, vision_config=vision,
+                                                                       **VLM_TOKENS))
+    elif family == "qwen3_5_moe_vlm":
+        m = tf.Qwen3_5MoeForConditionalGeneration(tf.Qwen3_5MoeConfig(
+            text_config=dict(**_HYBRID, **_MOE, rope_parameters=_hybrid_rope()), vision_config=_VISION, **VLM_TOKENS))
+    else:
+        raise KeyError(family)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.normal_(0.0, 0.3) if "linear_attn.norm" not in name else p.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)  # a router that actually routes
+    return m.eval()

@@ -64,6 +64,7 @@ def apply_fsdp(model, mesh, *, param_dtype: torch.dtype | None = None, reduce_dt
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
 
 
 def parallelize(model, dist, cfg_parallel, param_dtype: torch.dtype | None = None) -> nn.Module:

@@ -144,6 +144,8 @@ class Trainer:
         t = cfg.train
         self.dist = init_distributed(t.device)
         self.device = self.dist.device
+        if not self.dist.is_main:  # one copy of the info lines, from rank 0
+            logger.setLevel(logging.WARNING)
         if t.threads:
             torch.set_num_threads(t.threads)
         self.run_dir = Path(t.run_dir).expanduser()

@@ -36,6 +36,8 @@ class CheckpointInfo:
     passthrough: dict[str, torch.Tensor] = field(default_factory=dict)  # e.g. model.visual.*, saved verbatim
     source: str | None = None
     transposed_experts: bool = False  # fused experts saved as [E, H, 2I] / [E, I, H] (Qwen3-VL-MoE releases)
+    # internal names of expert blocks stored one tensor per expert (HF save_pretrained, quantized repacks)
+    per_expert: set[str] = field(default_factory=set)
 
 
 _VLM_PREFIX = "model.language_model."
@@ -50,9 +52,9 @@ _TRANSPOSED_EXPERTS = {"qwen3_vl_moe_text"}
 def _untranspose_experts(state: dict, expected: dict, model_type: str) -> bool:
     """Bring transposed fused experts to mtpkit's layout in place; returns whether the checkpoint had them.
     One tensor of each (gate_up, down) pair is never square (2I != H or I != H), so the shapes decide."""
-    fused = [k for k in state if _FUSED_EXPERT.search(k)]
     if model_type not in _TRANSPOSED_EXPERTS:
         return False
+    fused = [k for k in state if _FUSED_EXPERT.search(k)]
     if not fused:
         return True  # per-expert source: save in the released layout
     transposed = any(state[k].shape != expected[k] and state[k].mT.shape == expected[k] for k in fused)
@@ -266,6 +268,7 @@ def load_model(
         passthrough={n: source.get(n) for n in passthrough},
         source=str(path),
         transposed_experts=transposed,
+        per_expert=set(experts),
     )
     if passthrough:
         import logging
@@ -282,14 +285,30 @@ def checkpoint_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     info: CheckpointInfo = getattr(model, "checkpoint_info", None) or CheckpointInfo(raw_config={})
     out = {}
     for name, t in model.state_dict().items():
-        if info.transposed_experts and _FUSED_EXPERT.search(name):
-            t = t.transpose(1, 2)
+        fused = _FUSED_EXPERT.search(name)
+        split = fused and name[: fused.start()] + ".mlp.experts" in info.per_expert
         if info.vlm_layout and name.startswith("model."):
             name = _VLM_PREFIX + name[len("model.") :]
         elif name.startswith("visual."):
             name = "model." + name
-        out[name] = t
+        if split:
+            out.update(_split_experts(name, t))
+        elif fused and info.transposed_experts:
+            out[name] = t.transpose(1, 2)
+        else:
+            out[name] = t
     out.update(info.passthrough)
+    return out
+
+
+def _split_experts(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A fused expert tensor as per-expert Linear weights, the inverse of the fusing on load."""
+    prefix, kind = name.rsplit(".", 1)
+    if kind == "down_proj":
+        return {f"{prefix}.{e}.down_proj.weight": t[e] for e in range(t.shape[0])}
+    gate, up = t.chunk(2, dim=1)
+    out = {f"{prefix}.{e}.gate_proj.weight": gate[e] for e in range(t.shape[0])}
+    out.update({f"{prefix}.{e}.up_proj.weight": up[e] for e in range(t.shape[0])})
     return out
 
 

@@ -148,3 +148,32 @@ def hf_vlm_model(family: str) -> torch.nn.Module:
             elif name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.5)  # a router that actually routes
     return m.eval()
+
+
+def vlm_prompt(spec, seed: int = 0, patch_dim: int = 96, merge: int = 2) -> dict[str, torch.Tensor]:
+    """A one-row multimodal prompt laid out as the Qwen processors lay it out, with random patches.
+
+    spec: ints (that many random text tokens), ("image", t, h, w) or ("video", t, h, w) in patches. An image is
+    `<vision_start> <image_pad> x t*h*w/merge^2 <vision_end>`; a video is one such block per frame, each after
+    two timestamp tokens. Returns input_ids [1, T], pixel_values, image_grid_thw, pixel_values_videos,
+    video_grid_thw (absent when unused)."""
+    g = torch.Generator().manual_seed(seed)
+    ids, grids, pixels = [], {"image": [], "video": []}, {"image": [], "video": []}
+    for part in spec:
+        if isinstance(part, int):
+            ids += torch.randint(0, 240, (part,), generator=g).tolist()
+            continue
+        kind, t, h, w = part
+        grids[kind].append([t, h, w])
+        pixels[kind].append(torch.randn(t * h * w, patch_dim, generator=g))
+        pad = VLM_TOKENS[f"{kind}_token_id"]
+        for _ in range(t if kind == "video" else 1):
+            ids += (torch.randint(0, 240, (2,), generator=g).tolist() if kind == "video" else [])
+            ids += [VLM_TOKENS["vision_start_token_id"]]
+            ids += [pad] * ((1 if kind == "video" else t) * h * w // merge**2)
+            ids += [VLM_TOKENS["vision_end_token_id"]]
+    out = {"input_ids": torch.tensor([ids])}
+    for kind, px, grid in (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw")):
+        if grids[kind]:
+            out[px], out[grid] = torch.cat(pixels[kind]), torch.tensor(grids[kind])
+    return out

@@ -1,0 +1,76 @@
+"""Image prompts through the checkpoint's own HF processor, into the tensors `VisionLanguageModel` takes.
+
+`AutoProcessor` from the model directory is used when it can be built. Its video processor needs torchvision;
+where that is missing, the checkpoint's tokenizer and (PIL) image processor are used directly and the image
+placeholders expanded here exactly as the Qwen processors do (one `<|image_pad|>` per merged patch).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .vlm import VisionLanguageModel
+
+_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+_IMAGE_PAD, _VISION_START, _VISION_END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
+
+
+class _ImageOnlyProcessor:
+    """Tokenizer + image processor, for environments where the full processor cannot be built."""
+
+    def __init__(self, tokenizer, image_processor):
+        self.tokenizer, self.image_processor = tokenizer, image_processor
+
+    def __call__(self, text: str, images=None, return_tensors="pt"):
+        out = {}
+        if images:
+            out = dict(self.image_processor(images=images, return_tensors="pt"))
+            merge = self.image_processor.merge_size ** 2
+            parts = text.split(_IMAGE_PAD)
+            counts = (out["image_grid_thw"].prod(-1) // merge).tolist()
+            text = parts[0] + "".join(_IMAGE_PAD * n + rest for n, rest in zip(counts, parts[1:]))
+        out["input_ids"] = self.tokenizer(text, return_tensors="pt")["input_ids"]
+        return out
+
+
+def load_processor(path):
+    """The checkpoint's HF processor. A clear ValueError when the directory has none (a text-only checkpoint,
+    or weights copied without the processor files)."""
+    path = Path(path)
+    if not any((path / f).exists() for f in _PROCESSOR_FILES):
+        raise ValueError(
+            f"{path} has no image processor ({' or '.join(_PROCESSOR_FILES)}): images need the checkpoint's own "
+            "processor; copy the processor and tokenizer files from the original model directory"
+        )
+    import transformers
+
+    try:
+        return transformers.AutoProcessor.from_pretrained(str(path))
+    except (ImportError, AttributeError, ValueError, OSError):
+        try:
+            return _ImageOnlyProcessor(
+                transformers.AutoTokenizer.from_pretrained(str(path)),
+                transformers.AutoImageProcessor.from_pretrained(str(path)),
+            )
+        except (ImportError, ValueError, OSError) as e:
+            raise ValueError(f"{path}: cannot build the image processor or tokenizer ({e})") from None
+
+
+def image_inputs(model, processor, prompt: str, images=()) -> dict[str, torch.Tensor]:
+    """Tokens and patches for `model(**inputs)`: input_ids [1, T], pixel_values, image_grid_thw.
+    Images without a `<|image_pad|>` of their own in the prompt are placed before it, as the chat templates do."""
+    if images and not isinstance(model, VisionLanguageModel):
+        raise ValueError(
+            "this model has no vision tower and cannot take images: load a vision-language checkpoint with "
+            "mtpkit.load_model(path, vision=True)"
+        )
+    images = list(images)
+    missing = len(images) - prompt.count(_IMAGE_PAD)
+    if missing < 0:
+        raise ValueError(f"the prompt has {prompt.count(_IMAGE_PAD)} image placeholders but {len(images)} images")
+    prompt = (_VISION_START + _IMAGE_PAD + _VISION_END) * missing + prompt
+    out = processor(text=prompt, images=images or None, return_tensors="pt")
+    keys = ("input_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+    return {k: torch.as_tensor(out[k]) for k in keys if k in out and out[k] is not None}

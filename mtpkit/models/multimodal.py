@@ -47,15 +47,18 @@ def load_processor(path):
     import transformers
 
     try:
-        return transformers.AutoProcessor.from_pretrained(str(path))
+        processor = transformers.AutoProcessor.from_pretrained(str(path))
+        if hasattr(processor, "tokenizer") and hasattr(processor, "image_processor"):
+            return processor
     except (ImportError, AttributeError, ValueError, OSError):
-        try:
-            return _ImageOnlyProcessor(
-                transformers.AutoTokenizer.from_pretrained(str(path)),
-                transformers.AutoImageProcessor.from_pretrained(str(path)),
-            )
-        except (ImportError, ValueError, OSError) as e:
-            raise ValueError(f"{path}: cannot build the image processor or tokenizer ({e})") from None
+        pass  # e.g. the video processor needs torchvision
+    try:
+        return _ImageOnlyProcessor(
+            transformers.AutoTokenizer.from_pretrained(str(path)),
+            transformers.AutoImageProcessor.from_pretrained(str(path)),
+        )
+    except (ImportError, ValueError, OSError) as e:
+        raise ValueError(f"{path}: cannot build the image processor or tokenizer ({e})") from None
 
 
 def image_inputs(model, processor, prompt: str, images=()) -> dict[str, torch.Tensor]:

@@ -83,7 +83,9 @@ def rope_index(
     delta is then the last document's. `mm_token_type_ids` defaults to the types of the image/video tokens.
     """
     device = input_ids.device
-    types = mm_token_types(input_ids, image_token_id, video_token_id) if mm_token_type_ids is None else mm_token_type_ids
+    types = mm_token_type_ids
+    if types is None:
+        types = mm_token_types(input_ids, image_token_id, video_token_id)
     grids = {
         IMAGE: iter(image_grid_thw.tolist() if image_grid_thw is not None else []),
         VIDEO: iter(_frames(video_grid_thw).tolist() if video_grid_thw is not None else []),

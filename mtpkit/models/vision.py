@@ -86,10 +86,8 @@ def check_grid(pixel_values: torch.Tensor, grid_thw: torch.Tensor, config: Visio
 
 def merge_order(h: int, w: int, m: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Row and column of each patch of an h x w grid, listed in merge-window order: [h*w] each."""
-    rows = torch.arange(h, device=device)[:, None].expand(h, w)
-    cols = torch.arange(w, device=device)[None, :].expand(h, w)
-    perm = lambda x: x.reshape(h // m, m, w // m, m).permute(0, 2, 1, 3).flatten()  # noqa: E731
-    return perm(rows), perm(cols)
+    raster = torch.arange(h * w, device=device).reshape(h // m, m, w // m, m).permute(0, 2, 1, 3).flatten()
+    return raster // w, raster % w
 
 
 class PatchEmbed(nn.Module):
@@ -196,7 +194,8 @@ class VisionModel(nn.Module):
         # 2-D RoPE: head_dim/4 frequencies, angles from the row for the first half and the column for the second.
         # Computed here, not held in a buffer, so a meta-device build and a dtype cast leave them exact.
         half = self.config.hidden_size // self.config.num_heads // 2
-        inv_freq = 1.0 / self.config.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32, device=device) / half)
+        exponents = torch.arange(0, half, 2, dtype=torch.float32, device=device) / half
+        inv_freq = 1.0 / self.config.rope_theta**exponents
         pos, angles, seqlens = [], [], []
         for t, h, w in grid_thw.tolist():
             rows, cols = merge_order(h, w, m, device)
@@ -205,12 +204,12 @@ class VisionModel(nn.Module):
             c = cols.float() * (side - 1) / max(w - 1, 1)
             r0, c0 = r.floor().long(), c.floor().long()
             r1, c1 = (r0 + 1).clamp(max=side - 1), (c0 + 1).clamp(max=side - 1)
-            fr, fc = (r - r0)[:, None], (c - c0)[:, None]
+            fr, fc = (r - r0)[:, None], (c - c0)[:, None]  # fp32 weights: the sum is fp32, as in HF
             p = (
-                table[r0 * side + c0] * ((1 - fr) * (1 - fc)).to(table.dtype)
-                + table[r0 * side + c1] * ((1 - fr) * fc).to(table.dtype)
-                + table[r1 * side + c0] * (fr * (1 - fc)).to(table.dtype)
-                + table[r1 * side + c1] * (fr * fc).to(table.dtype)
+                table[r0 * side + c0] * ((1 - fr) * (1 - fc))
+                + table[r0 * side + c1] * ((1 - fr) * fc)
+                + table[r1 * side + c0] * (fr * (1 - fc))
+                + table[r1 * side + c1] * (fr * fc)
             )
             a = torch.cat([rows[:, None] * inv_freq, cols[:, None] * inv_freq], dim=-1)  # [h*w, d/2]
             pos.append(p.repeat(t, 1))

@@ -37,7 +37,8 @@ def image_token_mask(input_ids: torch.Tensor, config) -> torch.Tensor:
     """[B, T] bool, True at image and video placeholder tokens. A trainer drops the labels (main and MTP) whose
     target is such a token: they stand for vision embeddings, not words. `config`: a VisionTokens, a
     VisionLanguageModel or a VLM config.json dict."""
-    tokens = config if isinstance(config, VisionTokens) else getattr(config, "tokens", None) or VisionTokens.from_hf(config)
+    tokens = config if isinstance(config, VisionTokens) else getattr(config, "tokens", None)
+    tokens = tokens or VisionTokens.from_hf(config)
     return (input_ids == tokens.image_token_id) | (input_ids == tokens.video_token_id)
 
 

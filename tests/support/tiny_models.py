@@ -173,7 +173,8 @@ def vlm_prompt(spec, seed: int = 0, patch_dim: int = 96, merge: int = 2) -> dict
             ids += [pad] * ((1 if kind == "video" else t) * h * w // merge**2)
             ids += [VLM_TOKENS["vision_end_token_id"]]
     out = {"input_ids": torch.tensor([ids])}
-    for kind, px, grid in (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw")):
+    names = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
+    for kind, (px, grid) in names.items():
         if grids[kind]:
             out[px], out[grid] = torch.cat(pixels[kind]), torch.tensor(grids[kind])
     return out

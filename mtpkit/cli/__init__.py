@@ -10,6 +10,7 @@ import sys
 # subcommand -> module under mtpkit.cli; modules are imported only when their command runs
 COMMANDS = {
     "inspect": "inspect_cmd",
+    "generate": "generate_cmd",
     "train": "train_cmd",
     "export": "export_cmd",
     "plot": "plot_cmd",

@@ -27,10 +27,12 @@ class VisionTokens:
 
     @classmethod
     def from_hf(cls, raw: dict) -> "VisionTokens":
-        """From a VLM config.json (ids default to Qwen3-VL's, as the HF config classes do)."""
-        defaults = (151655, 151656, 151652, 151653)
+        """From a VLM config.json (the ids differ between Qwen3-VL and Qwen3.5, so none is guessed)."""
         names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-        return cls(*(int(raw.get(n, d)) for n, d in zip(names, defaults)))
+        missing = [n for n in names if n not in raw]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}: cannot tell where images go in a prompt")
+        return cls(*(int(raw[n]) for n in names))
 
 
 def image_token_mask(input_ids: torch.Tensor, config) -> torch.Tensor:

@@ -88,5 +88,8 @@ def broadcast_object(obj, d: Dist):
 
 
 def shutdown(d: Dist) -> None:
+    """Every rank reaches this point before the process group goes (gloo aborts a rank whose peer tears its
+    connections down while it still waits on the last collective)."""
     if d.enabled and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()

@@ -233,3 +233,31 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["train", str(cfg), "--train.stepz=3"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "unknown config key 'train.stepz'" in err and "steps" in err
+
+
+def test_ac_and_compile_wrap_blocks_without_changing_names_or_numbers():
+    import copy
+
+    import mtpkit
+    from mtpkit.parallel import apply_ac, apply_compile
+    from mtpkit.train.loss import LossConfig, compute_loss, shift_labels
+
+    torch.manual_seed(0)
+    model = mtpkit.build_model(dict(TINY_MODEL, mtp_num_hidden_layers=2))
+    wrapped = copy.deepcopy(model)
+    apply_ac(wrapped)
+    apply_compile(wrapped, backend="eager")
+    assert list(wrapped.state_dict()) == list(model.state_dict())
+    ids = torch.randint(0, 320, (2, 24))
+    seg = (torch.arange(24) >= 10).long().expand(2, 24)
+    batch = {"input_ids": ids, "segment_ids": seg, "labels": shift_labels(ids, seg)}
+    losses = []
+    for m in (model, wrapped):
+        out = compute_loss(m, batch, LossConfig())
+        out.loss.backward()
+        losses.append(out.loss.detach())
+    assert torch.allclose(losses[0], losses[1], rtol=1e-6)
+    clean = lambda n: n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")  # noqa: E731
+    grads = {clean(n): p.grad for n, p in wrapped.named_parameters()}
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, grads[n], rtol=1e-5, atol=1e-7), n

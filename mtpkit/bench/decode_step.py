@@ -75,8 +75,8 @@ def step_costs(model, ks, repeats: int, context: int, draft_vocab: int) -> list[
         def drafting(head, hidden=verify()):
             # what a step adds besides verification: the MTP over the k+1 verified rows, then k-1 chained steps
             # and k draft projections
-            m = spec.mtp_extend(model, cache, hidden, ids[:, sl.start + 1 : sl.stop + 1], start)[:, 0]
-            spec.draft(model, cache, m, start + 1, k, head, None)
+            m = spec.mtp_extend(model, cache, hidden, ids[:, sl.start + 1 : sl.stop + 1], start, context)[:, 0]
+            spec.draft(model, cache, m, start + 1, context + 1, k, head, None)
 
         row = {"k": k, "decode": one, "verify": median_ms(verify, repeats)}
         for name, head in heads.items():

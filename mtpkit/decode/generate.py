@@ -18,7 +18,7 @@ import torch
 
 from . import speculative as spec
 from .cache import Cache
-from .sampling import SamplingParams, probs, select
+from .sampling import SamplingParams, select
 
 
 @dataclass
@@ -105,12 +105,12 @@ def _prefill(model, cache, rows, params, generator, with_mtp: bool):
         view = cache.rows(slice(start, start + ids.shape[0]))
         start += ids.shape[0]
         positions = torch.arange(length, device=device).expand_as(ids)
-        hidden = model(ids, positions=positions, cache=view, return_logits=False).hidden  # [b, T, H]
+        hidden = model(ids, positions=positions, cache=view, return_logits=False, kv_len=length).hidden  # [b, T, H]
         first = select(model.logits(hidden[:, -1]), params, generator)
         firsts.append(first)
         if with_mtp:  # row i: trunk hidden at i and token i+1; the last row takes the token just sampled
             nxt = torch.cat([ids[:, 1:], first[:, None]], dim=1)
-            ms.append(model.mtp_step(nxt, hidden, positions, 1, view)[:, -1])
+            ms.append(model.mtp_step(nxt, hidden, positions, 1, view, kv_len=length)[:, -1])
     return torch.cat(firsts), (torch.cat(ms) if with_mtp else None)
 
 
@@ -159,32 +159,25 @@ def generate(
     cache = Cache(cfg, B, longest + max_new_tokens + k + 1, weight.dtype, weight.device)
     book = _Bookkeeper(B, k, max_new_tokens, eos, on_tokens)
     last, m = _prefill(model, cache, rows, params, generator, with_mtp=k > 0)
-    pos = torch.tensor(list(map(len, rows)), device=weight.device)  # [B]: position of `last`, not yet in the cache
+    pos_host = list(map(len, rows))  # positions also kept on the host, so no forward reads them back
+    pos = torch.tensor(pos_host, device=weight.device)  # [B]: position of `last`, not yet in the cache
     keep = book.emit([[t] for t in last.tolist()])
-    offsets = torch.arange(k + 1, device=weight.device)
     while keep:
         if len(keep) < last.shape[0]:  # some rows stopped: drop them from the batch
             idx = torch.tensor(keep, device=weight.device)
             cache, last, pos = cache.rows(idx), last[idx], pos[idx]
             m = None if m is None else m[idx]
+            pos_host = [pos_host[b] for b in keep]
+        top = max(pos_host)
         if k == 0:
-            logits = model(last[:, None], positions=pos[:, None], cache=cache).logits[:, 0]
+            logits = model(last[:, None], positions=pos[:, None], cache=cache, kv_len=top + 1).logits[:, 0]
             n, tokens = torch.zeros_like(last), select(logits, params, generator)[:, None]
         else:
-            drafts, q = spec.draft(model, cache, m, pos, k, head, generator)
-            cache.keep_history(True)
-            out = model(torch.cat([last[:, None], drafts], 1), positions=pos[:, None] + offsets, cache=cache)
-            if params.greedy:
-                n, tokens = spec.accept_greedy(drafts, out.logits)
-            else:
-                n, tokens = spec.accept_sampling(drafts, q, probs(out.logits, params), generator)
-            cache.commit(n + 1)  # GDN layers continue from the state after the last accepted token
-            cache.keep_history(False)
-            rows_idx = torch.arange(n.shape[0], device=n.device)
-            m = spec.mtp_extend(model, cache, out.hidden, tokens, pos)[rows_idx, n]
+            n, tokens, m = spec.step(model, cache, last, pos, m, top, k, head, params, generator)
         book.forward_passes += 1
         host = torch.cat([n[:, None], tokens], dim=1).tolist()  # the one device read of the step
         keep = book.emit([h[1 : h[0] + 2] for h in host], [h[0] for h in host] if k else None)
         last = tokens.gather(1, n[:, None])[:, 0]
         pos = pos + n + 1
+        pos_host = [p + h[0] + 1 for p, h in zip(pos_host, host)]
     return GenerateResult(book.tokens, book.stats(time.perf_counter() - start), book.accept_lengths)

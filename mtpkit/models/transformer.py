@@ -64,11 +64,13 @@ class CausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
-    def context(self, positions, segment_ids=None, cache=None, cache_positions=None, dtype=torch.float32) -> Context:
+    def context(self, positions, segment_ids=None, cache=None, cache_positions=None, dtype=torch.float32,
+                kv_len: int | None = None) -> Context:
         mask = None
         if cache is not None:
-            # a query sees every slot up to its own; later slots may hold stale (rejected) drafts
-            length = int(cache_positions.max()) + 1
+            # a query sees every slot up to its own; later slots may hold stale (rejected) drafts.
+            # kv_len (slots to attend over) from a caller that tracks positions spares a host sync
+            length = int(cache_positions.max()) + 1 if kv_len is None else kv_len
             slots = torch.arange(length, device=cache_positions.device)
             mask = (slots <= cache_positions[..., None])[:, None]  # (B, 1, T, S)
         elif segment_ids is not None:
@@ -89,12 +91,14 @@ class CausalLM(nn.Module):
         mtp: bool | int = False,
         return_logits: bool = True,
         deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
+        kv_len: int | None = None,
     ) -> ModelOutput:
         """input_ids [B, T] (or inputs_embeds [B, T, H]); positions [B, T] or MRoPE [3, B, T]; segment_ids [B, T]
         for packed documents. `mtp=True` adds teacher-forced MTP outputs for depths 1..D (`mtp=n`: n chained
         depths, reusing the last MTP layer beyond D). With `return_logits=False` only hidden states are
         returned, so a trainer can compute the loss in chunks. `deepstack` = (visual mask [B, T], list of
-        [N_visual, H]): Qwen3-VL adds entry i to the visual positions after decoder layer i."""
+        [N_visual, H]): Qwen3-VL adds entry i to the visual positions after decoder layer i. With a cache,
+        `kv_len` = max(cache_positions) + 1 (or more) saves computing it on the host."""
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         B, T, _ = x.shape
         if positions is None:
@@ -108,7 +112,7 @@ class CausalLM(nn.Module):
                 raise ValueError("packed segment_ids cannot be combined with a decoding cache")
             if cache_positions is None:
                 cache_positions = positions if positions.dim() == 2 else positions[0]
-        ctx = self.context(positions, segment_ids, cache, cache_positions, x.dtype)
+        ctx = self.context(positions, segment_ids, cache, cache_positions, x.dtype, kv_len)
         h = x
         for i, layer in enumerate(self.model.layers):
             h = layer(h, ctx, None if cache is None else cache.layers[i])
@@ -145,12 +149,14 @@ class CausalLM(nn.Module):
             outs.append(prev)
         return outs
 
-    def mtp_step(self, token_ids, hidden, positions, depth: int, cache, cache_positions=None) -> torch.Tensor:
+    def mtp_step(
+        self, token_ids, hidden, positions, depth: int, cache, cache_positions=None, kv_len: int | None = None
+    ) -> torch.Tensor:
         """One cached drafting step: token_ids [B, T] are the tokens after the rows of hidden [B, T, H].
         Returns the MTP's post-norm output (fed back as `hidden` for the next chained depth)."""
         if cache_positions is None:
             cache_positions = positions if positions.dim() == 2 else positions[0]
         embeds = self.embed(token_ids)
-        ctx = self.context(positions, None, cache, cache_positions, embeds.dtype)
+        ctx = self.context(positions, None, cache, cache_positions, embeds.dtype, kv_len)
         layer = min(depth, len(self.mtp.layers)) - 1
         return self.mtp(embeds, hidden, ctx, depth, cache.mtp[layer])

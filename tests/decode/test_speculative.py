@@ -123,8 +123,8 @@ def test_mtp_cache_follows_accepted_tokens(monkeypatch):
     model = drafting_model("qwen3_5")
     seen = []
 
-    def recording_draft(model_, cache, m, pos, k, head, generator):
-        drafts, q = draft(model_, cache, m, pos, k, head, generator)
+    def recording_draft(model_, cache, m, pos, *rest):
+        drafts, q = draft(model_, cache, m, pos, *rest)
         seen.append((pos.clone(), drafts[:, 0].clone()))
         return drafts, q
 

@@ -1,0 +1,111 @@
+"""Self-distillation data for an MTP head: the model's own greedy continuations of real prompts.
+
+A head trained on the text the trunk itself produces learns exactly what it will be asked to draft, which is the
+usual way to get high acceptance (Medusa-2, EAGLE, FastMTP). The prompts come from the Python standard library's
+own docstrings (real English and code on every machine), never from the benchmark's prompts, in three kinds:
+plain prose to continue, chat requests through the tokenizer's chat template, and code to complete.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+import sysconfig
+from pathlib import Path
+
+from tqdm import tqdm
+
+_CHAT_TEMPLATES = (
+    "Explain what the Python function `{qual}` does: \"{doc}\"",
+    "Write a Python function for this task: {doc}",
+    "In simple terms, what does this mean? {doc}",
+    "Give me a numbered list of tips related to this: {doc}",
+    "Describe a situation where this would be useful: {doc}",
+)
+
+
+def _docstrings() -> tuple[list[str], list[tuple[str, str, str]]]:
+    """(first paragraphs of module docstrings, (qualified name, signature line, first docstring line) of
+    public functions and classes) from the standard library's top-level modules, in a fixed order."""
+    modules, defs = [], []
+    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        try:
+            tree = ast.parse(f.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        doc = ast.get_docstring(tree)
+        if doc:
+            para = " ".join(doc.strip().split("\n\n")[0].split())
+            if len(para.split()) >= 12:
+                modules.append(para)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+                doc = ast.get_docstring(node)
+                first = " ".join(doc.strip().split("\n\n")[0].split()) if doc else ""
+                if 30 < len(first) < 200:
+                    sig = f"def {node.name}({ast.unparse(node.args)}):" if isinstance(node, ast.FunctionDef) \
+                        else f"class {node.name}:"
+                    defs.append((f"{f.stem}.{node.name}", sig, first))
+    return modules, defs
+
+
+def stdlib_prompts(n: int, seed: int = 0) -> list[dict]:
+    """n prompts {"prompt", "chat", "kind"}: about 35% prose, 40% chat, 25% code."""
+    rng = random.Random(seed)
+    modules, defs = _docstrings()
+    out = []
+    for i in range(n):
+        r = rng.random()
+        if r < 0.35:
+            words = rng.choice(modules).split()
+            out.append({"prompt": " ".join(words[: rng.randint(6, min(20, len(words) - 1))]), "chat": False,
+                        "kind": "prose"})
+        elif r < 0.75:
+            qual, _, doc = rng.choice(defs)
+            out.append({"prompt": rng.choice(_CHAT_TEMPLATES).format(qual=qual, doc=doc), "chat": True,
+                        "kind": "chat"})
+        else:
+            _, sig, doc = rng.choice(defs)
+            out.append({"prompt": f'{sig}\n    """{doc}"""\n', "chat": False, "kind": "code"})
+    return out
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """Token ids of a prompt, through the chat template (with the generation prompt) when `chat`."""
+    if not chat:
+        return list(tokenizer(prompt)["input_ids"])
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("chat prompts need a tokenizer with a chat template")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def distill(model, tokenizer, prompts: list[dict], out_path, *, max_new_tokens: int = 128, batch_size: int = 32) -> dict:
+    """Greedy-decode every prompt with mtpkit's engine and write one JSONL record per sample:
+    {"input_ids": prompt + completion, "loss_mask": 0 on prompt tokens and 1 on the completion, "kind", "prompt"}.
+    Returns {"samples", "tokens" (completion tokens), "seconds"}."""
+    from ..decode.generate import generate
+
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_suffix(out_path.suffix + ".tmp")
+    eos = tokenizer.eos_token_id
+    encoded = [encode_prompt(tokenizer, p["prompt"], p["chat"]) for p in prompts]
+    # similar lengths per batch: less padding waste in the prefill groups
+    order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
+    total, seconds = 0, 0.0
+    with tmp.open("w") as f, tqdm(total=len(prompts), desc="distill", unit="prompt") as bar:
+        for s in range(0, len(order), batch_size):
+            idx = order[s : s + batch_size]
+            res = generate(model, [encoded[i] for i in idx], max_new_tokens=max_new_tokens, eos_token_id=eos)
+            seconds += res.stats["seconds"]
+            for i, new in zip(idx, res.tokens):
+                total += len(new)
+                rec = {"input_ids": encoded[i] + new, "loss_mask": [0] * len(encoded[i]) + [1] * len(new),
+                       "kind": prompts[i]["kind"], "prompt": prompts[i]["prompt"]}
+                f.write(json.dumps(rec) + "\n")
+            bar.update(len(idx))
+    tmp.replace(out_path)
+    return {"samples": len(prompts), "tokens": total, "seconds": seconds}

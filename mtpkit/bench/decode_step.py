@@ -87,18 +87,57 @@ def step_costs(model, ks, repeats: int, context: int, draft_vocab: int) -> list[
     return rows
 
 
-def tokens_per_second(model, hf_model, prompt: list[int], new_tokens: int, runs: int) -> tuple[list, list, bool]:
-    ours, theirs, same = [], [], True
+def tokens_per_second(model, hf_model, prompt: list[int], new_tokens: int, runs: int) -> tuple[dict, dict, bool]:
+    """Wall-clock tokens/s and CPU ms per token (this process only: steadier when other jobs share the cores)."""
+    ours, theirs, same = {"tps": [], "cpu": []}, {"tps": [], "cpu": []}, True
     ids = torch.tensor([prompt])
     for _ in range(runs):  # interleaved, so both see the same machine load
-        r = generate(model, [prompt], max_new_tokens=new_tokens)
-        ours.append(r.stats["tokens_per_second"])
-        t = time.perf_counter()
-        with torch.inference_mode():
-            out = hf_model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-        theirs.append(new_tokens / (time.perf_counter() - t))
-        same &= out[0, len(prompt) :].tolist() == r.tokens[0]
+        for impl, record in (("mtpkit", ours), ("hf", theirs)):
+            wall, cpu = time.perf_counter(), time.process_time()
+            if impl == "mtpkit":
+                out = generate(model, [prompt], max_new_tokens=new_tokens).tokens[0]
+            else:
+                with torch.inference_mode():
+                    out = hf_model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+                out = out[0, len(prompt) :].tolist()
+            record["tps"].append(new_tokens / (time.perf_counter() - wall))
+            record["cpu"].append(1e3 * (time.process_time() - cpu) / new_tokens)
+            record.setdefault("tokens", out)
+        same &= ours["tokens"] == theirs["tokens"]
     return ours, theirs, same
+
+
+def print_step_table(models: dict, args, ks) -> None:
+    print(f"threads {args.threads}, context {args.context} tokens, median of {args.repeats}, fp32, "
+          f"reduced draft vocab {args.draft_vocab} ids\n")
+    cols = ["k", "decode 1", "verify k+1", "ratio", "draft k", "draft k/sub", "break-even", "b-e/sub"]
+    print(f"{'model':<40}" + "".join(f"{c:>12}" for c in cols))
+    for name, model in models.items():
+        for r in step_costs(model, ks, args.repeats, args.context, args.draft_vocab):
+            cells = [str(r["k"]), *(f"{r[c]:.1f}ms" for c in ("decode", "verify")), f"{r['verify'] / r['decode']:.2f}",
+                     *(f"{r[c]:.1f}ms" for c in ("full", "subset")), f"{r['break_even']:.2f}",
+                     f"{r['break_even_subset']:.2f}"]
+            print(f"{name:<40}" + "".join(f"{c:>12}" for c in cells))
+
+
+def print_hf_comparison(model, path: pathlib.Path, args) -> None:
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    prompt = [1] + list(range(1000, 1000 + args.context - 1))
+    ours, theirs, same = tokens_per_second(model, hf, prompt, args.new_tokens, args.runs)
+    med = {name: {key: statistics.median(v) for key, v in r.items() if key != "tokens"}
+           for name, r in (("mtpkit", ours), ("transformers", theirs))}
+    print(f"\nplain greedy decoding, SmolLM2-135M, {len(prompt)}-token prompt, {args.new_tokens} new tokens, "
+          f"median of {args.runs} interleaved runs (prefill included)")
+    for name, r in (("mtpkit", ours), ("transformers", theirs)):
+        runs = ", ".join(f"{x:.2f}" for x in r["tps"])
+        print(f"{name + ' generate':<22} {med[name]['tps']:>7.2f} tokens/s {med[name]['cpu']:>7.1f} CPU ms/token"
+              f"   (tokens/s by run: {runs})")
+    print(f"{'mtpkit / transformers':<22} {med['mtpkit']['tps'] / med['transformers']['tps']:>7.2f} (tokens/s) "
+          f"{med['transformers']['cpu'] / med['mtpkit']['cpu']:>7.2f} (CPU time)   identical tokens: {same}")
 
 
 def main(argv=None) -> None:
@@ -115,45 +154,21 @@ def main(argv=None) -> None:
     ap.add_argument("--skip-hf", action="store_true", help="skip the transformers comparison")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    ks = [int(k) for k in args.k.split(",")]
 
     from ..assets import default_gguf_path
     from ..checkpoint.hf import build_model, load_model
     from ..models.mtp import add_mtp
 
-    path = args.model or str(default_gguf_path())
+    path = pathlib.Path(args.model or default_gguf_path())
     smol = add_mtp(load_model(path, mtp=False), 1)
     models = {"SmolLM2-135M (+ random MTP)": smol}
     if not args.skip_qwen:
         torch.manual_seed(0)
         models["Qwen3.5-0.8B shape, 8 layers (random)"] = build_model(QWEN35_08B_8L)
-    print(f"threads {args.threads}, context {args.context} tokens, {args.repeats} repeats, fp32, draft vocab "
-          f"{args.draft_vocab}\n")
-    print(f"{'model':<40} {'k':>2} {'decode 1':>9} {'verify k+1':>11} {'ratio':>6} {'draft k':>8} "
-          f"{'draft k/sub':>11} {'break-even':>10} {'b-e/sub':>8}")
-    for name, model in models.items():
-        for r in step_costs(model, ks, args.repeats, args.context, args.draft_vocab):
-            print(f"{name:<40} {r['k']:>2} {r['decode']:>7.1f}ms {r['verify']:>9.1f}ms {r['verify'] / r['decode']:>6.2f} "
-                  f"{r['full']:>6.1f}ms {r['subset']:>9.1f}ms {r['break_even']:>10.2f} {r['break_even_subset']:>8.2f}")
-        del model
-    models.clear()
-    if args.skip_hf:
-        return
-
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    transformers.logging.set_verbosity_error()
-    gguf = pathlib.Path(path)
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
-    prompt = [1] + list(range(1000, 1000 + args.context - 1))
-    ours, theirs, same = tokens_per_second(smol, hf, prompt, args.new_tokens, args.runs)
-    mo, mt = statistics.median(ours), statistics.median(theirs)
-    print(f"\nplain greedy decoding, SmolLM2-135M, {len(prompt)}-token prompt, {args.new_tokens} new tokens, "
-          f"median of {args.runs} interleaved runs")
-    print(f"{'mtpkit generate':<28} {mo:>7.2f} tokens/s  (runs: {', '.join(f'{x:.2f}' for x in ours)})")
-    print(f"{'transformers generate':<28} {mt:>7.2f} tokens/s  (runs: {', '.join(f'{x:.2f}' for x in theirs)})")
-    print(f"{'ratio mtpkit / transformers':<28} {mo / mt:>7.2f}   identical tokens: {same}")
+    print_step_table(models, args, [int(k) for k in args.k.split(",")])
+    models.clear()  # frees the Qwen-shaped model before transformers loads its copy of SmolLM2
+    if not args.skip_hf:
+        print_hf_comparison(smol, path, args)
 
 
 if __name__ == "__main__":

@@ -23,15 +23,21 @@ from .sampling import SamplingParams, select
 
 @dataclass
 class GenerateResult:
+    """`stats`, as vLLM defines them (a verification step = one row verified once; acceptance figures are None
+    without speculation): new_tokens, forward_passes (trunk forwards after prefill), verification_steps,
+    drafted, accepted, accepted_per_position [k], acceptance_rate = accepted / drafted,
+    mean_acceptance_length = 1 + accepted / verification_steps, per_position_acceptance [k] = accepted at
+    draft position j / verification_steps, seconds (prefill included), tokens_per_second."""
+
     tokens: list[list[int]]  # per row: the new token ids, ending with EOS when one was produced
     stats: dict
     accept_lengths: list[list[int]]  # per row, speculative only: tokens kept from each verification step
 
 
 def _prompt_rows(prompts, vocab_size: int) -> list[list[int]]:
-    rows = prompts.tolist() if isinstance(prompts, torch.Tensor) else [list(map(int, p)) for p in prompts]
     if isinstance(prompts, torch.Tensor) and prompts.dim() != 2:
         raise ValueError(f"prompts must be a [B, T] tensor of token ids, got shape {tuple(prompts.shape)}")
+    rows = prompts.tolist() if isinstance(prompts, torch.Tensor) else [list(map(int, p)) for p in prompts]
     if not rows:
         raise ValueError("no prompts given")
     for i, r in enumerate(rows):
@@ -149,7 +155,7 @@ def generate(
             f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of "
             f"{cfg.max_position_embeddings} tokens"
         )
-    eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+    eos = {int(e) for e in ([] if eos_token_id is None else torch.as_tensor(eos_token_id).flatten().tolist())}
     weight = model.output_weight
     generator = torch.Generator(weight.device).manual_seed(random.getrandbits(63) if seed is None else seed)
     head = spec.DraftHead(model, params, draft_vocab) if k else None

@@ -134,7 +134,6 @@ def step(model, cache, last, pos, m, top: int, k: int, head: DraftHead, params: 
         n, tokens = accept_sampling(drafts, q, probs(out.logits, params), generator)
     cache.commit(n + 1)  # GDN layers continue from the state after the last accepted token
     cache.keep_history(False)
-    # the MTP row at the last emitted token's predecessor drafts next; its input is that row's trunk hidden and
-    # the emitted token (accepted draft or the trunk's own)
+    # MTP row j: trunk hidden at pos+j and the token emitted after it; row n, the last one kept, drafts next
     ext = mtp_extend(model, cache, out.hidden, tokens, pos, top)
     return n, tokens, ext[torch.arange(n.shape[0], device=n.device), n]

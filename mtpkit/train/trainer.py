@@ -410,6 +410,13 @@ class Trainer:
         return {"step": self.step, "status": status, "checkpoint": self.last_checkpoint, "first": first, "last": last}
 
     def close(self) -> None:
+        """Free the (sharded) model and optimizer, then shut the process group down. Sharded tensors that outlive
+        the process group after a DCP save made ~1 in 6 gloo runs abort at interpreter exit."""
+        if self.dist.enabled:
+            import gc
+
+            self.model = self.optimizer = self.scheduler = None
+            gc.collect()
         shutdown(self.dist)
 
 

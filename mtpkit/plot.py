@@ -50,7 +50,14 @@ def plot_run(run_dir, out=None, smooth: int | None = None) -> Path:
     ax.plot(steps, _smooth([r["main_loss"] for r in recs], k), label="main (next token)", color="black")
     for d in range(depth):
         ys = [(r["mtp_loss"] or [None] * depth)[d] for r in recs]
-        ax.plot(steps, _smooth(ys, k), label=f"MTP depth {d + 1} (token t+{d + 2})")
+        ax.plot(steps, _smooth(ys, k), label=f"MTP depth {d + 1} (token t+{d + 2})", color=f"C{d}")
+    val = [r for r in recs if "val_main_loss" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_main_loss"] for r in val], "o--", color="black", ms=3,
+                label="main, held out")
+        for d in range(depth):
+            ax.plot([r["step"] for r in val], [r["val_mtp_loss"][d] for r in val], "o--", ms=3, color=f"C{d}",
+                    label=f"depth {d + 1}, held out")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats)")
     ax.set_title("training loss" + (f" (moving average over {k} steps)" if k > 1 else ""))
@@ -60,10 +67,13 @@ def plot_run(run_dir, out=None, smooth: int | None = None) -> Path:
         ax = axes[0][1]
         for d in range(depth):
             ys = [(r["mtp_acc"] or [None] * depth)[d] for r in recs]
-            ax.plot(steps, _smooth(ys, k), label=f"depth {d + 1}")
+            ax.plot(steps, _smooth(ys, k), label=f"depth {d + 1} (token t+{d + 2})", color=f"C{d}")
+            if val:
+                ax.plot([r["step"] for r in val], [r["val_mtp_acc"][d] for r in val], "o--", ms=3, color=f"C{d}",
+                        label=f"depth {d + 1}, held out")
         ax.set_xlabel("step")
         ax.set_ylabel("teacher-forced top-1 accuracy")
-        ax.set_title("MTP accuracy (training batches)")
+        ax.set_title("MTP teacher-forced top-1 accuracy")
         ax.grid(alpha=0.3)
         ax.legend()
     name = Path(run_dir).resolve().name

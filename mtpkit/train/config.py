@@ -55,6 +55,7 @@ class DataSection:
     add_eos: bool = True  # append the tokenizer's EOS token (if it has one) to every pretraining document
     shuffle: bool = True  # shuffle documents and packed rows, with a fresh permutation per epoch
     seed: int = 1234
+    val_docs: int = 0  # documents held out (a seeded choice) for evaluation (train.eval_every)
 
 
 @dataclass
@@ -68,6 +69,8 @@ class TrainSection:
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     seed: int = 0  # model init and RNG seed
     threads: int = 0  # torch CPU threads (0: torch's default)
+    eval_every: int = 0  # evaluate on the held-out documents (data.val_docs) every N steps and at the end
+    eval_rows: int = 16  # held-out packed rows per evaluation (the same rows every time)
 
 
 @dataclass
@@ -268,6 +271,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigKeyError("train.micro_batch_size must be >= 0")
     if cfg.optim.warmup_steps < 0 or cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
         raise ConfigKeyError("optim.warmup_steps and checkpoint.every must be >= 0, checkpoint.keep >= 1")
+    if cfg.train.eval_every and not cfg.data.val_docs:
+        raise ConfigKeyError("train.eval_every needs held-out documents: set data.val_docs")
     if cfg.log.every < 1:
         raise ConfigKeyError("log.every must be >= 1")
 

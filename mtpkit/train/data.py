@@ -227,6 +227,7 @@ class PackedData:
         self.num_tokens = int(sum(len(d) for d, _ in docs))
         self.rows_per_epoch = -(-self.num_tokens // seq_len)
         self._epoch, self._packed = None, None
+        self.val: PackedData | None = None  # held-out documents (build_data with data.val_docs)
 
     def fingerprint(self) -> str:
         """Identifies the document set and packing, so a resume on different data is caught."""
@@ -296,7 +297,8 @@ class DataLoader:
 
 
 def build_data(cfg_data, tokenizer, mtp_depth: int) -> PackedData:
-    """DataSection + tokenizer -> PackedData (documents shorter than mtp_depth + 2 tokens are dropped)."""
+    """DataSection + tokenizer -> PackedData (documents shorter than mtp_depth + 2 tokens are dropped); with
+    data.val_docs, that many documents are held out in `.val` (packed in order, never trained on)."""
     files = list_files(cfg_data.paths, cfg_data.format)
     field = cfg_data.messages_field if cfg_data.mode == "sft" else cfg_data.text_field
     raw = read_records(files, cfg_data.format, field, cfg_data.text_split)
@@ -305,10 +307,20 @@ def build_data(cfg_data, tokenizer, mtp_depth: int) -> PackedData:
         raise DataError(f"no documents in the training data ({names}): the files are empty")
     docs = tokenize_documents(raw, tokenizer, cfg_data.mode, cfg_data.add_bos, cfg_data.add_eos)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    val = None
+    if cfg_data.val_docs:
+        if cfg_data.val_docs >= len(docs):
+            raise DataError(f"data.val_docs = {cfg_data.val_docs} leaves no training document (there are {len(docs)})")
+        held = set(np.random.default_rng([cfg_data.seed, 999]).permutation(len(docs))[: cfg_data.val_docs].tolist())
+        val = PackedData([d for i, d in enumerate(docs) if i in held], cfg_data.seq_len, shuffle=False, pad_id=pad,
+                         min_doc_tokens=mtp_depth + 2)
+        docs = [d for i, d in enumerate(docs) if i not in held]
     data = PackedData(docs, cfg_data.seq_len, seed=cfg_data.seed, shuffle=cfg_data.shuffle, pad_id=pad,
                       min_doc_tokens=mtp_depth + 2)
-    logger.info("data: %d documents, %d tokens, %d rows of %d per epoch", len(data.docs), data.num_tokens,
-                data.rows_per_epoch, cfg_data.seq_len)
+    data.val = val
+    logger.info("data: %d documents, %d tokens, %d rows of %d per epoch%s", len(data.docs), data.num_tokens,
+                data.rows_per_epoch, cfg_data.seq_len,
+                f"; held out: {len(val.docs)} documents, {val.num_tokens} tokens" if val else "")
     return data
 
 

@@ -223,6 +223,46 @@ class Trainer:
         return [{k: batch[k][i : i + self.micro] for k in ("input_ids", "labels", "segment_ids")}
                 for i in range(0, rows, self.micro)]
 
+    def _run(self, micros: list[dict], step: int, train: bool) -> tuple[float, float, list, list]:
+        """Forward (and backward when training) over this rank's micro-batches, every loss normalised by the
+        global valid-target counts. Returns (objective, main CE, MTP CE per depth, MTP accuracy per depth), all
+        global over ranks; also a pending stop request from any rank (self._stop_requested)."""
+        counts = [count_tokens(mb, self.loss_cfg, self.model, step) for mb in micros]
+        n_depths = len(counts[0]["mtp"])
+        local = [sum(c["main"] for c in counts)] + [sum(c["mtp"][d] for c in counts) for d in range(n_depths)]
+        glob = [int(x) for x in all_reduce_sum(local, self.dist)]
+        token_counts = {"main": glob[0], "mtp": glob[1:]}
+        loss_sum, main_sum = 0.0, 0.0
+        mtp_sum, correct = [0.0] * n_depths, [0.0] * n_depths
+        self.model.train(train)
+        with torch.set_grad_enabled(train):
+            for mb in micros:
+                with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                    out = compute_loss(self.model, mb, self.loss_cfg, step, token_counts)
+                if train:
+                    out.loss.backward()
+                loss_sum += float(out.loss.detach())
+                main_sum += float(out.main_loss) * out.main_tokens
+                for d in range(n_depths):
+                    mtp_sum[d] += float(out.mtp_losses[d]) * out.mtp_tokens[d]
+                    correct[d] += out.mtp_accuracy[d] * out.mtp_tokens[d]
+        stop = 1.0 if self._stop_signal is not None else 0.0
+        red = all_reduce_sum([loss_sum, main_sum, *mtp_sum, *correct, stop], self.dist)
+        self._stop_requested = self._stop_requested or red[-1] > 0
+        mtp = [red[2 + d] / max(glob[1 + d], 1) for d in range(n_depths)]
+        acc = [red[2 + n_depths + d] / max(glob[1 + d], 1) for d in range(n_depths)]
+        return red[0], red[1] / max(glob[0], 1), mtp, acc
+
+    def evaluate(self) -> dict:
+        """Main/MTP loss and MTP accuracy on the first train.eval_rows held-out rows (the same every time)."""
+        val, n = self.loader.data.val, self.cfg.train.eval_rows
+        n -= n % self.dist.world
+        per = n // self.dist.world
+        rows = val.rows(self.dist.rank * per, per)
+        _, main, mtp, acc = self._run(self._micro_batches(rows), max(self.step - 1, 0), train=False)
+        D = self.cfg.mtp.depth
+        return {"val_main_loss": main, "val_mtp_loss": (mtp + [None] * D)[:D], "val_mtp_acc": (acc + [None] * D)[:D]}
+
     def train_step(self) -> dict:
         """One optimizer step; returns its metrics (global over ranks). Raises NonFiniteLoss."""
         step, cfg = self.step, self.cfg
@@ -230,30 +270,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         micros = self._micro_batches(self.loader.next_batch())
-        counts = [count_tokens(mb, self.loss_cfg, self.model, step) for mb in micros]
-        n_depths = len(counts[0]["mtp"])
-        local = [sum(c["main"] for c in counts)] + [sum(c["mtp"][d] for c in counts) for d in range(n_depths)]
-        glob = [int(x) for x in all_reduce_sum(local, self.dist)]
-        token_counts = {"main": glob[0], "mtp": glob[1:]}
-
-        loss_sum, main_sum = 0.0, 0.0
-        mtp_sum, correct = [0.0] * n_depths, [0.0] * n_depths
-        self.model.train()
-        for mb in micros:
-            with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-                out = compute_loss(self.model, mb, self.loss_cfg, step, token_counts)
-            out.loss.backward()
-            loss_sum += float(out.loss.detach())
-            main_sum += float(out.main_loss) * out.main_tokens
-            for d in range(n_depths):
-                mtp_sum[d] += float(out.mtp_losses[d]) * out.mtp_tokens[d]
-                correct[d] += out.mtp_accuracy[d] * out.mtp_tokens[d]
-        stop = 1.0 if self._stop_signal is not None else 0.0
-        red = all_reduce_sum([loss_sum, main_sum, *mtp_sum, *correct, stop], self.dist)
-        loss, main = red[0], red[1] / max(glob[0], 1)
-        mtp = [red[2 + d] / max(glob[1 + d], 1) for d in range(n_depths)]
-        acc = [red[2 + n_depths + d] / max(glob[1 + d], 1) for d in range(n_depths)]
-        self._stop_requested = red[-1] > 0
+        loss, main, mtp, acc = self._run(micros, step, train=True)
 
         if not math.isfinite(loss):
             self._diverged(f"the loss is {loss} (main {main:.4g}, MTP {_fmt_list(mtp, '.4g')})")
@@ -314,14 +331,14 @@ class Trainer:
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         if self._tb is not None:
-            for k in ("loss", "main_loss", "lr", "lr_mtp", "grad_norm", "tokens_per_s", "mfu", "mem_gb"):
+            for k in ("loss", "main_loss", "lr", "lr_mtp", "grad_norm", "tokens_per_s", "mfu", "mem_gb", "val_main_loss"):
                 if rec.get(k) is not None:
                     self._tb.add_scalar(f"train/{k}", rec[k], rec["step"])
             for d, (l, a) in enumerate(zip(rec["mtp_loss"], rec["mtp_acc"]), 1):
                 if l is not None:
                     self._tb.add_scalar(f"mtp/loss_{d}", l, rec["step"])
                     self._tb.add_scalar(f"mtp/acc_{d}", a, rec["step"])
-        if rec["step"] % self.cfg.log.every and rec["step"] != self.cfg.train.steps:
+        if rec["step"] % self.cfg.log.every and rec["step"] != self.cfg.train.steps and "val_main_loss" not in rec:
             return
         parts = [f"step {rec['step']:>{len(str(self.cfg.train.steps))}}/{self.cfg.train.steps}",
                  f"loss {rec['loss']:.4f}", f"main {rec['main_loss']:.4f}"]
@@ -329,6 +346,9 @@ class Trainer:
             parts += [f"mtp {_fmt_list(rec['mtp_loss'], '.3f')}", f"acc {_fmt_list(rec['mtp_acc'], '.3f')}"]
         parts += [f"lr {rec['lr']:.2e}" if rec["lr"] is not None else f"lr_mtp {rec['lr_mtp']:.2e}",
                   f"gnorm {rec['grad_norm']:.3f}", f"{rec['tokens_per_s'] / 1e3:.2f}k tok/s"]
+        if "val_main_loss" in rec:
+            parts.append(f"val main {rec['val_main_loss']:.4f}" + (
+                f" acc {_fmt_list(rec['val_mtp_acc'], '.3f')}" if self.cfg.mtp.depth else ""))
         if "mfu" in rec:
             parts.append(f"mfu {100 * rec['mfu']:.1f}%")
         parts.append(f"mem {rec['mem_gb']:.2f}G {rec['mem_kind']}")
@@ -382,6 +402,9 @@ class Trainer:
         try:
             while self.step < cfg.train.steps:
                 rec = self.train_step()
+                t = cfg.train
+                if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+                    rec.update(self.evaluate())
                 first = first or rec
                 last = rec
                 self._log(rec, bar)

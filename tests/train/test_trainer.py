@@ -94,11 +94,13 @@ def test_smoke_run_through_cli_writes_metrics_checkpoints_and_plot(tmp_path, cap
     from mtpkit.cli import main
 
     cfg = write_toml(tmp_path / "cfg.toml", tiny_raw_config(tmp_path))
-    assert main(["train", str(cfg), "--train.steps=4", "--log.tensorboard=true"]) == 0
+    assert main(["train", str(cfg), "--train.steps=4", "--log.tensorboard=true", "--data.val_docs=2",
+                 "--train.eval_every=3"]) == 0
     out = capsys.readouterr().out
-    assert "step 4/4" in out and "acc" in out and "tok/s" in out and "mem" in out
+    assert "step 4/4" in out and "acc" in out and "tok/s" in out and "mem" in out and "val main" in out
     recs = read_metrics(tmp_path / "run")
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert [r["step"] for r in recs if "val_main_loss" in r] == [3, 4] and len(recs[3]["val_mtp_acc"]) == 2
     for r in recs:
         assert math.isfinite(r["loss"]) and len(r["mtp_loss"]) == 2 and len(r["mtp_acc"]) == 2
         # the objective is main + sum_d (lambda / D) * CE_d
@@ -110,7 +112,7 @@ def test_smoke_run_through_cli_writes_metrics_checkpoints_and_plot(tmp_path, cap
     assert main(["plot", str(tmp_path / "run"), "--out", str(tmp_path / "curves.png")]) == 0
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
     # the run is complete: running the same command again resumes at step 4 and does nothing
-    assert main(["train", str(cfg), "--train.steps=4"]) == 0
+    assert main(["train", str(cfg), "--train.steps=4", "--data.val_docs=2"]) == 0
     assert len(read_metrics(tmp_path / "run")) == 4
 
 

@@ -7,13 +7,15 @@ import importlib
 import logging
 import sys
 
-# subcommand -> module under mtpkit.cli; modules are imported only when their command runs
+# subcommand -> module under mtpkit.cli; each keeps its heavy imports inside run()
 COMMANDS = {
     "inspect": "inspect_cmd",
     "generate": "generate_cmd",
     "train": "train_cmd",
     "export": "export_cmd",
     "plot": "plot_cmd",
+    "distill": "distill_cmd",
+    "bench": "bench_cmd",
 }
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..tokenizer import encode_prompt
+
 _CHAT_TEMPLATES = (
     "Explain what the Python function `{qual}` does: \"{doc}\"",
     "Write a Python function for this task: {doc}",
@@ -69,17 +71,6 @@ def stdlib_prompts(n: int, seed: int = 0) -> list[dict]:
             _, sig, doc = rng.choice(defs)
             out.append({"prompt": f'{sig}\n    """{doc}"""\n', "chat": False, "kind": "code"})
     return out
-
-
-def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
-    """Token ids of a prompt, through the chat template (with the generation prompt) when `chat`."""
-    if not chat:
-        return list(tokenizer(prompt)["input_ids"])
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("chat prompts need a tokenizer with a chat template")
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def distill(model, tokenizer, prompts: list[dict], out_path, *, max_new_tokens: int = 128, batch_size: int = 32) -> dict:

@@ -1,0 +1,155 @@
+"""`mtpkit bench`: plain vs MTP self-speculative decoding side by side on real prompts.
+
+For every prompt, plain decoding and speculative decoding with each k run one after the other (after a warm-up,
+in an order that alternates between repeats), their outputs are compared token for token, and each timing is the
+median over the repeats. tokens/s of a configuration = all its new tokens / the sum of its per-prompt medians.
+Acceptance metrics are vLLM's (mtp-reference.md section 3), summed over prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..decode.generate import generate
+from ..tokenizer import encode_prompt
+
+DEFAULT_PROMPTS = "bench_prompts.jsonl"
+DEFAULT_HEAD = "smollm2_mtp_head.safetensors"
+
+
+def resource(name: str) -> Path:
+    return Path(str(resources.files("mtpkit.resources").joinpath(name)))
+
+
+@dataclass
+class Prompt:
+    text: str
+    chat: bool
+    kind: str
+    ids: list[int]
+
+
+def load_prompts(path, tokenizer) -> list[Prompt]:
+    """A text file (one prompt per line) or JSONL ({"prompt": str, "chat": bool, "kind": str}); chat prompts go
+    through the tokenizer's chat template."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file {path} does not exist")
+    records = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n} is not valid JSON ({e})") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
+                raise ValueError(f'{path}:{n} needs a "prompt" string')
+            records.append((rec["prompt"], bool(rec.get("chat", False)), rec.get("kind", "chat" if rec.get("chat") else "text")))
+        else:
+            records.append((line.replace("\\n", "\n"), False, "text"))
+    if not records:
+        raise ValueError(f"{path} holds no prompts")
+    return [Prompt(t, c, k, encode_prompt(tokenizer, t, c)) for t, c, k in records]
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def hf_generate(hf_model, ids: list[int], num_tokens: int, eos) -> list[int]:
+    """transformers' own greedy generate(): the library baseline, as a user would call it."""
+    x = torch.tensor([ids])
+    out = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=num_tokens, do_sample=False,
+                            eos_token_id=eos, pad_token_id=eos)
+    return out[0, len(ids):].tolist()
+
+
+def run_bench(model, prompts: list[Prompt], *, num_tokens: int, ks: list[int], temperature: float = 0.0,
+              repeats: int = 3, seed: int = 0, eos_token_id=None, hf_model=None, progress: bool = True) -> dict:
+    """Measure every prompt under plain decoding, speculative decoding for each k and (optionally) HF generate().
+    Returns the per-prompt and per-k figures (see `summarise`)."""
+    configs = [0, *ks] + (["hf"] if hf_model is not None else [])
+
+    def once(cfg, p: Prompt):
+        if cfg == "hf":
+            return _timed(lambda: (hf_generate(hf_model, p.ids, num_tokens, eos_token_id), None))
+        res, sec = _timed(lambda: generate(model, [p.ids], max_new_tokens=num_tokens, draft_tokens=cfg,
+                                           temperature=temperature, seed=seed, eos_token_id=eos_token_id))
+        return (res.tokens[0], res.stats), sec
+
+    for cfg in configs:  # warm-up: first-call allocations and lazy initialisation stay out of the timings
+        once(cfg, prompts[0])
+    seconds = {(cfg, i): [] for cfg in configs for i in range(len(prompts))}
+    outputs = {}
+    bar = tqdm(total=repeats * len(prompts) * len(configs), desc="bench", unit="run", disable=not progress)
+    for r in range(repeats):
+        order = configs if r % 2 == 0 else configs[::-1]  # alternate, so drift hits every configuration alike
+        for i, p in enumerate(prompts):
+            for cfg in order:
+                outputs[cfg, i], sec = once(cfg, p)
+                seconds[cfg, i].append(sec)
+                bar.update()
+    bar.close()
+    median = {key: statistics.median(v) for key, v in seconds.items()}
+    return summarise(prompts, ks, outputs, median, hf=hf_model is not None, greedy=temperature == 0)
+
+
+def _rate(tokens: int, sec: float) -> float:
+    return tokens / sec if sec > 0 else 0.0
+
+
+def summarise(prompts, ks, outputs, median, *, hf: bool, greedy: bool) -> dict:
+    n = len(prompts)
+    base_tokens = [len(outputs[0, i][0]) for i in range(n)]
+    base_tps = _rate(sum(base_tokens), sum(median[0, i] for i in range(n)))
+    runs = []
+    for k in ks:
+        stats = [outputs[k, i][1] for i in range(n)]
+        steps = sum(s["verification_steps"] for s in stats)
+        accepted = sum(s["accepted"] for s in stats)
+        drafted = sum(s["drafted"] for s in stats)
+        per_pos = [sum(s["accepted_per_position"][j] for s in stats) / max(steps, 1) for j in range(k)]
+        spec_tokens = [len(outputs[k, i][0]) for i in range(n)]
+        spec_tps = _rate(sum(spec_tokens), sum(median[k, i] for i in range(n)))
+        per_prompt = []
+        for i, p in enumerate(prompts):
+            s = stats[i]
+            per_prompt.append({
+                "prompt": p.text, "kind": p.kind, "chat": p.chat,
+                "baseline_tokens_per_s": _rate(base_tokens[i], median[0, i]),
+                "spec_tokens_per_s": _rate(spec_tokens[i], median[k, i]),
+                "speedup": _rate(spec_tokens[i], median[k, i]) / max(_rate(base_tokens[i], median[0, i]), 1e-9),
+                "acceptance_rate": s["acceptance_rate"],
+                "mean_acceptance_length": s["mean_acceptance_length"],
+                "identical": outputs[k, i][0] == outputs[0, i][0] if greedy else None,
+            })
+        runs.append({
+            "draft_tokens": k,
+            "prompts": n,
+            "baseline_tokens_per_s": base_tps,
+            "spec_tokens_per_s": spec_tps,
+            "speedup": spec_tps / base_tps if base_tps else 0.0,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_acceptance_length": 1 + accepted / steps if steps else 1.0,
+            "accepted_per_position": per_pos,
+            "identical": all(pp["identical"] for pp in per_prompt) if greedy else None,
+            "per_prompt": per_prompt,
+        })
+    report = {"runs": runs, "samples": [{"prompt": p.text, "output_ids": outputs[0, i][0]} for i, p in enumerate(prompts)]}
+    if hf:
+        hf_tokens = [len(outputs["hf", i][0]) for i in range(n)]
+        report["hf_tokens_per_s"] = _rate(sum(hf_tokens), sum(median["hf", i] for i in range(n)))
+        report["hf_identical"] = all(outputs["hf", i][0] == outputs[0, i][0] for i in range(n)) if greedy else None
+    return report

@@ -1,0 +1,36 @@
+"""Tokenizers for every model source (HF directory or .gguf metadata) and prompt encoding (plain or chat)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def load_tokenizer(path):
+    """An HF tokenizer from a model directory, or from a .gguf file's metadata."""
+    from transformers import AutoTokenizer
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"tokenizer path {p} does not exist")
+    try:
+        if p.suffix == ".gguf":
+            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        return AutoTokenizer.from_pretrained(str(p))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load a tokenizer from {p} ({e}): point to an HF tokenizer directory") from None
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool = False) -> list[int]:
+    """Token ids of a prompt; with `chat`, as one user turn through the tokenizer's chat template, ready for the
+    assistant's reply."""
+    if not chat:
+        ids = list(tokenizer(prompt)["input_ids"])
+    else:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("chat prompts need a tokenizer with a chat template; this one has none")
+        out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        ids = list(out["input_ids"] if hasattr(out, "keys") else out)
+    if not ids:
+        raise ValueError(f"the prompt {prompt!r} encodes to no tokens: give some text")
+    return ids

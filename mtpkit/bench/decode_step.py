@@ -4,7 +4,8 @@ against transformers' `generate()`.
     python -m mtpkit.bench.decode_step [--model PATH] [--k 1,2,3,4] [--repeats N] [--threads T]
 
 Table 1, per model (SmolLM2-135M, the default GGUF, and a Qwen3.5-0.8B-shaped model with random weights cut
-to its first 8 layers, pattern kept): median ms of a 1-token decode forward, of a (k+1)-token verify forward
+to its first 8 layers, pattern kept): median ms of a 1-token decode forward (with plain F.linear for reference,
+then with the thin-matmul path generate() uses on CPU, see decode/cpu_matmul.py), of a (k+1)-token verify forward
 (GDN history kept, as in speculative decoding), of drafting k tokens with the MTP head (its forward over the
 k+1 verified rows, k-1 chained steps, k draft projections) over the full vocabulary and over a reduced draft
 vocabulary, and the mean acceptance length at which speculation breaks even:
@@ -25,6 +26,7 @@ import torch
 
 from ..decode import speculative as spec
 from ..decode.cache import Cache
+from ..decode.cpu_matmul import thin_matmuls
 from ..decode.generate import generate
 from ..decode.sampling import SamplingParams
 
@@ -58,32 +60,38 @@ def step_costs(model, ks, repeats: int, context: int, draft_vocab: int) -> list[
     cache = Cache(cfg, 1, context + max(ks) + 3)
     pos = torch.arange(ids.shape[1])[None]
     model(ids[:, :context], positions=pos[:, :context], cache=cache, return_logits=False)
-    one = median_ms(lambda: model(ids[:, context : context + 1], positions=pos[:, context : context + 1],
-                                  cache=cache), repeats)
-    greedy = SamplingParams()
-    heads = {"full": spec.DraftHead(model, greedy), "subset": spec.DraftHead(model, greedy, torch.arange(draft_vocab))}
-    rows, start = [], torch.tensor([context])
-    for k in ks:
-        sl = slice(context, context + k + 1)
 
-        def verify():
-            cache.keep_history(True)  # the recorded history is dropped: every call verifies from the same state
-            out = model(ids[:, sl], positions=pos[:, sl], cache=cache)
-            cache.keep_history(False)
-            return out.hidden
+    def decode():
+        model(ids[:, context : context + 1], positions=pos[:, context : context + 1], cache=cache)
 
-        def drafting(head, hidden=verify()):
-            # what a step adds besides verification: the MTP over the k+1 verified rows, then k-1 chained steps
-            # and k draft projections
-            m = spec.mtp_extend(model, cache, hidden, ids[:, sl.start + 1 : sl.stop + 1], start, context)[:, 0]
-            spec.draft(model, cache, m, start + 1, context + 1, k, head, None)
+    one_plain = median_ms(decode, repeats)  # for reference: every linear layer through F.linear
+    with thin_matmuls(model):  # as generate() runs them
+        one = median_ms(decode, repeats)
+        greedy = SamplingParams()
+        heads = {"full": spec.DraftHead(model, greedy),
+                 "subset": spec.DraftHead(model, greedy, torch.arange(draft_vocab))}
+        rows, start = [], torch.tensor([context])
+        for k in ks:
+            sl = slice(context, context + k + 1)
 
-        row = {"k": k, "decode": one, "verify": median_ms(verify, repeats)}
-        for name, head in heads.items():
-            row[name] = median_ms(lambda: drafting(head), repeats)
-        row["break_even"] = (row["verify"] + row["full"]) / one
-        row["break_even_subset"] = (row["verify"] + row["subset"]) / one
-        rows.append(row)
+            def verify():
+                cache.keep_history(True)  # the history is dropped: every call verifies from the same state
+                out = model(ids[:, sl], positions=pos[:, sl], cache=cache)
+                cache.keep_history(False)
+                return out.hidden
+
+            def drafting(head, hidden=verify()):
+                # what a step adds besides verification: the MTP over the k+1 verified rows, then k-1 chained
+                # steps and k draft projections
+                m = spec.mtp_extend(model, cache, hidden, ids[:, sl.start + 1 : sl.stop + 1], start, context)[:, 0]
+                spec.draft(model, cache, m, start + 1, context + 1, k, head, None)
+
+            row = {"k": k, "decode_plain": one_plain, "decode": one, "verify": median_ms(verify, repeats)}
+            for name, head in heads.items():
+                row[name] = median_ms(lambda: drafting(head), repeats)
+            row["break_even"] = (row["verify"] + row["full"]) / one
+            row["break_even_subset"] = (row["verify"] + row["subset"]) / one
+            rows.append(row)
     return rows
 
 
@@ -110,11 +118,12 @@ def tokens_per_second(model, hf_model, prompt: list[int], new_tokens: int, runs:
 def print_step_table(models: dict, args, ks) -> None:
     print(f"threads {args.threads}, context {args.context} tokens, median of {args.repeats}, fp32, "
           f"reduced draft vocab {args.draft_vocab} ids\n")
-    cols = ["k", "decode 1", "verify k+1", "ratio", "draft k", "draft k/sub", "break-even", "b-e/sub"]
+    cols = ["k", "F.linear 1", "decode 1", "verify k+1", "ratio", "draft k", "draft k/sub", "break-even", "b-e/sub"]
     print(f"{'model':<40}" + "".join(f"{c:>12}" for c in cols))
     for name, model in models.items():
         for r in step_costs(model, ks, args.repeats, args.context, args.draft_vocab):
-            cells = [str(r["k"]), *(f"{r[c]:.1f}ms" for c in ("decode", "verify")), f"{r['verify'] / r['decode']:.2f}",
+            cells = [str(r["k"]), *(f"{r[c]:.1f}ms" for c in ("decode_plain", "decode", "verify")),
+                     f"{r['verify'] / r['decode']:.2f}",
                      *(f"{r[c]:.1f}ms" for c in ("full", "subset")), f"{r['break_even']:.2f}",
                      f"{r['break_even_subset']:.2f}"]
             print(f"{name:<40}" + "".join(f"{c:>12}" for c in cells))

@@ -18,6 +18,7 @@ import torch
 
 from . import speculative as spec
 from .cache import Cache
+from .cpu_matmul import thin_matmuls
 from .sampling import SamplingParams, select
 
 
@@ -160,10 +161,15 @@ def generate(
     generator = torch.Generator(weight.device).manual_seed(random.getrandbits(63) if seed is None else seed)
     head = spec.DraftHead(model, params, draft_vocab) if k else None
 
+    book = _Bookkeeper(len(rows), k, max_new_tokens, eos, on_tokens)
+    with thin_matmuls(model):
+        return _decode(model, rows, book, params, generator, head)
+
+
+def _decode(model, rows, book: _Bookkeeper, params, generator, head) -> GenerateResult:
     start = time.perf_counter()
-    B = len(rows)
-    cache = Cache(cfg, B, longest + max_new_tokens + k + 1, weight.dtype, weight.device)
-    book = _Bookkeeper(B, k, max_new_tokens, eos, on_tokens)
+    k, weight = book.k, model.output_weight
+    cache = Cache(model.config, len(rows), max(map(len, rows)) + book.max_new + k + 1, weight.dtype, weight.device)
     last, m = _prefill(model, cache, rows, params, generator, with_mtp=k > 0)
     pos_host = list(map(len, rows))  # positions also kept on the host, so no forward reads them back
     pos = torch.tensor(pos_host, device=weight.device)  # [B]: position of `last`, not yet in the cache

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
+from .cpu_matmul import thin_linear
 from .sampling import SamplingParams, probs, sample
 
 
@@ -51,7 +52,7 @@ class DraftHead:
 
     def __call__(self, hidden: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
         """MTP output [B, H] -> draft ids [B] and q [B, V] over the full vocabulary (None when greedy)."""
-        logits = F.linear(hidden, self.weight)  # [B, V or N]
+        logits = thin_linear(hidden, self.weight)  # [B, V or N]
         if self.params.greedy:
             idx = logits.argmax(dim=-1)
             return (idx if self.vocab is None else self.vocab[idx]), None

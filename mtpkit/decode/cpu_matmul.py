@@ -2,9 +2,10 @@
 
 MKL runs `F.linear(x, W)` = x @ W^T for such a thin x as one GEMV-like pass over W per row, single-threaded,
 so a 2-row verify step costs about twice a 1-row decode step. `W @ x^T`, the same product with the few rows as
-the narrow operand, streams W once, faster and on every thread (SmolLM2-135M, fp32, one thread: a decode step
-54 -> 39 ms, a 2-token verify step 86 -> 40 ms; two threads: 55 -> 29 ms). One row is doubled, since a single
-column is routed to GEMV again. Applied from outside the model (like compile), only while decoding on CPU.
+the narrow operand, streams W once, faster and on every thread (SmolLM2-135M, fp32, one thread, measured with
+`python -m mtpkit.bench.decode_step`: a decode step 54 -> 40 ms, a 2-token verify step 86 -> 41 ms). One row is
+doubled, since a single column is routed to GEMV again. Applied from outside the model (like compile), only
+while decoding on CPU.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import torch
 from tiny_models import hf_model, random_mtp_tensors, save_hf
 
 import mtpkit
+from mtpkit.decode.cpu_matmul import thin_linear, thin_matmuls
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -89,8 +90,6 @@ def test_bad_inputs(model):
 
 
 def test_thin_matmuls_match_f_linear_and_are_undone(model):
-    from mtpkit.decode.cpu_matmul import thin_linear, thin_matmuls
-
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(300, 64, generator=g), torch.randn(300, generator=g)
     for rows in (1, 2, 3, 8, 9):

@@ -197,9 +197,10 @@ def sampling_case():
     return model, params, prompt, exact_joint(model, prompt, params, 3)
 
 
-def _empirical(model, params, prompt, k, seed, rows=12_000):
+def _empirical(model, params, prompt, k, seed, rows=12_000, draft_vocab=None):
     r = mtpkit.generate(model, torch.tensor([prompt] * rows), max_new_tokens=3, draft_tokens=k,
-                        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed)
+                        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed,
+                        draft_vocab=draft_vocab)
     V = model.config.vocab_size
     idx = torch.tensor([t[0] * V * V + t[1] * V + t[2] for t in r.tokens])
     return torch.bincount(idx, minlength=V**3), r.stats
@@ -212,6 +213,14 @@ def test_speculative_sampling_matches_the_exact_distribution(sampling_case, k):
     assert chi2_pvalue(counts, joint) > 1e-3
     if k:
         assert 0.1 < stats["acceptance_rate"] < 0.9
+
+
+def test_sampling_from_a_reduced_draft_vocab_stays_exact(sampling_case):
+    """q is zero outside the draft vocabulary; tokens outside it still come out at the trunk's rate."""
+    model, params, prompt, joint = sampling_case
+    counts, stats = _empirical(model, params, prompt, 2, seed=5, draft_vocab=torch.arange(0, 32, 2))
+    assert chi2_pvalue(counts, joint) > 1e-3
+    assert stats["accepted"] > 0
 
 
 def test_the_sampling_test_fails_for_a_wrong_rejection_rule(sampling_case, monkeypatch):

@@ -81,6 +81,7 @@ def test_bad_inputs(model):
         (dict(top_p=1.2), r"top_p must be in \(0, 1\]"),
         (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
         (dict(draft_tokens=-1), "draft_tokens must be >= 0"),
+        (dict(draft_tokens=1, draft_vocab=torch.tensor([3, 300])), r"draft_vocab must hold token ids in \[0, 256\)"),
         (dict(model=no_mtp, draft_tokens=2), "has no MTP head: load one with --mtp or train one"),
     ]
     for kwargs, message in cases:

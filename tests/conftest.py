@@ -3,6 +3,7 @@
 import pathlib
 
 import pytest
+import torch
 
 
 @pytest.fixture(scope="session")
@@ -11,3 +12,12 @@ def smollm2_gguf() -> pathlib.Path:
     from mtpkit.assets import default_gguf_path
 
     return default_gguf_path()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run faster on one thread, and much faster when other jobs share the cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -20,26 +20,6 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
-def load_tokenizer(path: Path):
-    if path.suffix == ".gguf":
-        from ..checkpoint.gguf import load_gguf_tokenizer
-
-        return load_gguf_tokenizer(path)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
-    if not chat:
-        return list(tokenizer(prompt)["input_ids"])
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("--chat: this tokenizer has no chat template")
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
 class TextStream:
     """Prints the text of a growing list of token ids as it grows. The whole list is decoded each time, since
     a token alone may decode differently (leading spaces) or end inside a multi-byte character (held back)."""
@@ -70,15 +50,14 @@ def run(args) -> int:
     from ..checkpoint.hf import load_model
     from ..checkpoint.mtp_head import load_mtp_head
     from ..decode.generate import generate
+    from ..tokenizer import encode_prompt, load_tokenizer
 
     path = Path(args.model)
     model = load_model(path)
     if args.mtp:
         load_mtp_head(model, args.mtp)
     tokenizer = load_tokenizer(path)
-    ids = encode(tokenizer, args.prompt, args.chat)
-    if not ids:
-        raise ValueError("the prompt encodes to no tokens: give some text")
+    ids = encode_prompt(tokenizer, args.prompt, args.chat)
     stream = TextStream(tokenizer)
     result = generate(
         model, [ids], max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens,

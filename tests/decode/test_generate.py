@@ -9,13 +9,7 @@ import mtpkit
 from mtpkit.decode.cpu_matmul import thin_linear, thin_matmuls
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run faster on one thread, and much faster when other jobs share the cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next", "llama"])

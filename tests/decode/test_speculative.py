@@ -25,13 +25,7 @@ CONFIGS = {
     # untied: with a tied lm_head this construction would only ever repeat the last token
     "qwen3": dict(_BASE, head_dim=16, num_hidden_layers=3, model_type="qwen3"),
 }
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run faster on one thread, and much faster when other jobs share the cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [30, 4, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12]]

@@ -1,5 +1,5 @@
-"""Parallel multi-token heads (Gloeckle et al. 2024) on the shared trunk: training with the sequential per-head
-forward/backward, and greedy drafts for blockwise parallel decoding (Stern et al. 2018).
+"""Parallel multi-token heads (Gloeckle et al. 2024) on the shared trunk, and greedy drafts for blockwise parallel
+decoding (Stern et al. 2018). Training with the sequential per-head backward: `mtpkit.train.parallel_heads_loss`.
 
 Head j (0-based) predicts token t+1+j from the trunk at t. Head 0 is the trunk itself (its last layer, final
 norm and lm_head), so a pretrained model keeps its exact next-token distribution, which is also the verifier's.
@@ -15,12 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..train.chunked_ce import chunked_cross_entropy
-from ..train.loss import IGNORE, mtp_targets
 from .block import DecoderLayer
 from .config import ModelConfig
 from .init import init_weights
-from .transformer import segment_positions
 
 
 class ParallelHeads(nn.Module):
@@ -38,36 +35,6 @@ class ParallelHeads(nn.Module):
         """Head j >= 1 on the trunk's hidden [B, T, H] -> [B, T, H] after the trunk's final norm (row i predicts
         token i+1+j); model.logits of it are the head's logits."""
         return model.model.norm(self.layers[j - 1](hidden, ctx, cache))
-
-
-def parallel_heads_loss_backward(model, heads: ParallelHeads, batch: dict, ce_chunk_tokens: int = 2048) -> dict:
-    """Backpropagate sum_j (mean CE of head j), one head at a time (Gloeckle et al. 2024, section 2): the trunk
-    runs once and its output becomes a leaf; each head's forward, chunked CE and backward accumulate the gradient
-    at that leaf; one backward then carries it through the trunk. Only one head's activations are alive at a time.
-
-    batch: input_ids, labels (train.loss.shift_labels), optional segment_ids and positions, all [B, T].
-    Returns {"head_j": detached mean CE} (head_0: the trunk's next-token loss).
-    """
-    ids, labels, seg = batch["input_ids"], batch["labels"], batch.get("segment_ids")
-    pos = batch.get("positions")
-    if pos is None:
-        B, T = ids.shape
-        pos = segment_positions(seg) if seg is not None else torch.arange(T, device=ids.device).expand(B, T)
-    out = model(ids, positions=pos, segment_ids=seg, return_logits=False)
-    leaf = out.hidden.detach().requires_grad_()  # [B, T, H]
-    ctx = model.context(pos, seg, dtype=leaf.dtype)
-    losses = {}
-    for j in range(heads.n):
-        targets = labels if j == 0 else mtp_targets(labels, seg, j)  # [B, T-j]: same roll as MTP depth j
-        h = (leaf if j == 0 else heads(model, leaf, ctx, j))[:, : targets.shape[1]]
-        loss_sum, n_valid, _ = chunked_cross_entropy(
-            h.reshape(-1, h.shape[-1]), model.output_weight, targets.reshape(-1), ce_chunk_tokens, IGNORE
-        )
-        loss = loss_sum / n_valid.clamp(min=1)
-        loss.backward()  # frees head j's graph; the leaf, the heads and lm_head accumulate their gradients
-        losses[f"head_{j}"] = loss.detach()
-    out.hidden.backward(leaf.grad)
-    return losses
 
 
 @torch.no_grad()

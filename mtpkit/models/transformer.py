@@ -35,6 +35,14 @@ def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
     return idx - torch.where(start, idx, 0).cummax(dim=1).values
 
 
+def default_positions(input_ids: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T] positions of a training batch: 0.. per row, restarting at every packed document."""
+    if segment_ids is not None:
+        return segment_positions(segment_ids)
+    B, T = input_ids.shape[:2]
+    return torch.arange(T, device=input_ids.device).expand(B, T)
+
+
 class TextModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -104,9 +112,7 @@ class CausalLM(nn.Module):
         if positions is None:
             if cache is not None:
                 raise ValueError("decoding with a cache needs explicit positions")
-            positions = segment_positions(segment_ids) if segment_ids is not None else (
-                torch.arange(T, device=x.device).expand(B, T)
-            )
+            positions = default_positions(x, segment_ids)
         if cache is not None:
             if segment_ids is not None:
                 raise ValueError("packed segment_ids cannot be combined with a decoding cache")

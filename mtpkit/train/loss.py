@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..models.transformer import segment_positions
+from ..models.transformer import default_positions
 from .chunked_ce import chunked_cross_entropy
 
 IGNORE = -100
@@ -151,8 +151,7 @@ def _hidden_states(model, batch: dict, n: int, mtp_only: bool) -> tuple[Tensor, 
     if n == 0:
         raise ValueError("mtp_only training needs an MTP module: add one with mtpkit.add_mtp(model)")
     if pos is None:
-        B, T = ids.shape
-        pos = segment_positions(seg) if seg is not None else torch.arange(T, device=ids.device).expand(B, T)
+        pos = default_positions(ids, seg)
     with torch.no_grad():  # the trunk runs as a fixed feature extractor: no graph, no gradient
         embeds = model.embed(ids)
         hidden = model(inputs_embeds=embeds, positions=pos, segment_ids=seg, return_logits=False).hidden

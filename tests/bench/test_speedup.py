@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 from tiny_models import hf_model, random_mtp_tensors, save_hf
 
 import mtpkit

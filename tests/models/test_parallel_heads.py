@@ -8,7 +8,8 @@ from tiny_models import hf_model
 
 import mtpkit
 from mtpkit.decode.cache import KVCache
-from mtpkit.models.parallel_heads import ParallelHeads, draft, parallel_heads_loss_backward
+from mtpkit.models.parallel_heads import ParallelHeads, draft
+from mtpkit.train.parallel_heads_loss import parallel_heads_loss_backward
 from mtpkit.models.transformer import segment_positions
 from mtpkit.train.loss import shift_labels
 

@@ -14,9 +14,11 @@ def read_metrics(run_dir) -> list[dict]:
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} an mtpkit run directory?")
     by_step = {}
     for line in path.read_text().splitlines():
-        if line.strip():
+        try:
             rec = json.loads(line)
-            by_step[rec["step"]] = rec
+        except ValueError:  # blank, or half-written by a run that was killed
+            continue
+        by_step[rec["step"]] = rec
     if not by_step:
         raise ValueError(f"{path} has no records yet")
     return [by_step[s] for s in sorted(by_step)]
@@ -77,8 +79,9 @@ def plot_run(run_dir, out=None, smooth: int | None = None) -> Path:
         ax.grid(alpha=0.3)
         ax.legend()
     name = Path(run_dir).resolve().name
-    last = recs[-1]
-    fig.suptitle(f"{name}: {len(recs)} steps, {last.get('tokens_per_s', 0) / 1e3:.1f}k tokens/s at the end")
+    tps = sorted(r.get("tokens_per_s", 0) for r in recs)
+    fig.suptitle(f"{name}: {len(recs)} steps, {sum(r.get('tokens', 0) for r in recs) / 1e6:.2f}M tokens, "
+                 f"median {tps[len(tps) // 2] / 1e3:.1f}k tokens/s")
     fig.tight_layout()
     out = Path(out) if out else Path(run_dir) / "curves.png"
     out.parent.mkdir(parents=True, exist_ok=True)

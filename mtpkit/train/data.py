@@ -101,7 +101,10 @@ def read_records(files: list[Path], fmt: str, field: str, text_split: str = "fil
                                         "data.messages_field")
                     docs.append(rec[field])
         elif kind == "parquet":
-            import pyarrow.parquet as pq
+            try:
+                import pyarrow.parquet as pq
+            except ImportError:
+                raise DataError(f"reading {f} needs pyarrow: pip install 'mtpkit[train]'") from None
 
             schema = pq.read_schema(f)
             if field not in schema.names:

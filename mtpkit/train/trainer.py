@@ -131,6 +131,14 @@ def _fmt_list(xs, fmt) -> str:
     return " ".join("-" if x is None else format(x, fmt) for x in xs)
 
 
+def _record_step(line: str) -> float:
+    """The step of a metrics.jsonl line; inf for a blank or half-written one (a run killed mid-write)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+
+
 def _seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -203,6 +211,9 @@ class Trainer:
         elif resume != "none":
             ckpt = Path(resume).expanduser()
         if ckpt is None:
+            if resume == "none" and latest_checkpoint(self.run_dir) is not None:
+                raise ValueError(f"checkpoint.resume = 'none' but {self.run_dir} already holds checkpoints of an earlier "
+                                 "run: use another train.run_dir, or delete its checkpoints/ directory")
             if self.dist.is_main and self.metrics_path.exists():
                 self.metrics_path.unlink()  # a fresh run in an old run_dir
             return
@@ -211,8 +222,7 @@ class Trainer:
         if self.dist.is_main:
             logger.info("resumed from %s (step %d, %d rows consumed)", ckpt, self.step, self.loader.rows_consumed)
             if self.metrics_path.exists():  # drop records of steps after the checkpoint (they will be redone)
-                keep = [ln for ln in self.metrics_path.read_text().splitlines()
-                        if ln.strip() and json.loads(ln)["step"] <= self.step]
+                keep = [ln for ln in self.metrics_path.read_text().splitlines() if _record_step(ln) <= self.step]
                 self.metrics_path.write_text("".join(ln + "\n" for ln in keep))
 
     # ----------------------------------------------------------------------------------------------------- steps
@@ -255,9 +265,9 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Main/MTP loss and MTP accuracy on the first train.eval_rows held-out rows (the same every time)."""
-        val, n = self.loader.data.val, self.cfg.train.eval_rows
-        n -= n % self.dist.world
-        per = n // self.dist.world
+        val, world = self.loader.data.val, self.dist.world
+        n = min(self.cfg.train.eval_rows, val.rows_per_epoch)
+        per = max(n // world, 1)  # every rank evaluates the same number of rows (FSDP runs them together)
         rows = val.rows(self.dist.rank * per, per)
         _, main, mtp, acc = self._run(self._micro_batches(rows), max(self.step - 1, 0), train=False)
         D = self.cfg.mtp.depth
@@ -382,7 +392,10 @@ class Trainer:
         cfg = self.cfg
         self._tb = None
         if cfg.log.tensorboard and self.dist.is_main:
-            from torch.utils.tensorboard import SummaryWriter
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ValueError("log.tensorboard = true needs the tensorboard package: pip install 'mtpkit[train]'") from None
 
             self._tb = SummaryWriter(str(self.run_dir / "tb"))
         handlers = {}

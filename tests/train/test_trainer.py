@@ -263,3 +263,13 @@ def test_ac_and_compile_wrap_blocks_without_changing_names_or_numbers():
     grads = {clean(n): p.grad for n, p in wrapped.named_parameters()}
     for n, p in model.named_parameters():
         assert torch.allclose(p.grad, grads[n], rtol=1e-5, atol=1e-7), n
+
+
+def test_depth_zero_is_plain_next_token_training(tmp_path):
+    from mtpkit.train.trainer import Trainer
+
+    trainer = Trainer(tiny_config(tmp_path, mtp={"depth": 0}, train={"steps": 2},
+                                  checkpoint={"every": 0, "save_final": False}))
+    assert trainer.model.mtp is None
+    summary = trainer.fit()
+    assert summary["last"]["mtp_loss"] == [] and summary["last"]["loss"] == summary["last"]["main_loss"]

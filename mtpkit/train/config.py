@@ -46,7 +46,9 @@ class MTPSection:
 class DataSection:
     paths: list[str] = field(default_factory=list)  # files or directories (.txt, .jsonl, .parquet)
     format: str = "auto"  # "auto" (by extension) | "text" | "jsonl" | "parquet"
-    mode: str = "pretrain"  # "pretrain" (loss on every token) | "sft" (chat `messages`, assistant-only loss)
+    # "pretrain" (loss on every token) | "sft" (chat `messages`, assistant-only loss) | "tokens" (pre-tokenized
+    # `input_ids` with an optional 0/1 `loss_mask` per token, as `mtpkit distill` writes)
+    mode: str = "pretrain"
     text_field: str = "text"  # JSONL/Parquet column holding the text (pretrain)
     messages_field: str = "messages"  # JSONL/Parquet column holding chat messages (sft)
     text_split: str = "file"  # plain text: one document per "file" | "paragraph" (blank line) | "line"
@@ -130,7 +132,7 @@ _SECTION_TYPES = {f.name: type(f.default_factory()) for f in dataclasses.fields(
 _CHOICES = {
     ("mtp", "init"): ("checkpoint", "random", "last_layer"),
     ("data", "format"): ("auto", "text", "jsonl", "parquet"),
-    ("data", "mode"): ("pretrain", "sft"),
+    ("data", "mode"): ("pretrain", "sft", "tokens"),
     ("data", "text_split"): ("file", "paragraph", "line"),
     ("train", "autocast"): ("auto", "bf16", "fp32"),
     ("train", "device"): ("auto", "cpu", "cuda"),

@@ -79,8 +79,9 @@ def _split_text(text: str, how: str) -> list[str]:
     return [p for p in parts if p.strip()]
 
 
-def read_records(files: list[Path], fmt: str, field: str, text_split: str = "file") -> list:
-    """Raw documents: strings (pretraining text) or whatever `field` holds in JSONL/Parquet records."""
+def read_records(files: list[Path], fmt: str, field: str, text_split: str = "file", whole: bool = False) -> list:
+    """Raw documents: strings (pretraining text) or whatever `field` holds in JSONL/Parquet records (the whole
+    record when `whole`, e.g. pre-tokenized input_ids with their loss_mask)."""
     docs = []
     for f in files:
         kind = _format_of(f, fmt)
@@ -99,7 +100,7 @@ def read_records(files: list[Path], fmt: str, field: str, text_split: str = "fil
                         keys = ", ".join(rec) if isinstance(rec, dict) else type(rec).__name__
                         raise DataError(f"{f}:{n} has no '{field}' field (it has: {keys}); set data.text_field / "
                                         "data.messages_field")
-                    docs.append(rec[field])
+                    docs.append(rec if whole else rec[field])
         elif kind == "parquet":
             try:
                 import pyarrow.parquet as pq
@@ -109,7 +110,8 @@ def read_records(files: list[Path], fmt: str, field: str, text_split: str = "fil
             schema = pq.read_schema(f)
             if field not in schema.names:
                 raise DataError(f"{f} has no '{field}' column (it has: {', '.join(schema.names)})")
-            docs += pq.read_table(f, columns=[field]).column(field).to_pylist()
+            table = pq.read_table(f, columns=None if whole else [field])
+            docs += table.to_pylist() if whole else table.column(field).to_pylist()
         else:
             raise DataError(f"unknown data format {kind!r}")
     return docs
@@ -171,6 +173,14 @@ def chat_tokens(tokenizer, messages: list[dict]) -> tuple[np.ndarray, np.ndarray
 def tokenize_documents(docs: list, tokenizer, mode: str, add_bos: bool = False, add_eos: bool = True):
     """-> list of (ids int64 [n], loss mask bool [n] or None for all-True)."""
     out = []
+    if mode == "tokens":
+        for rec in docs:
+            ids = np.asarray(rec["input_ids"], dtype=np.int64)
+            mask = rec.get("loss_mask")
+            if mask is not None and len(mask) != len(ids):
+                raise DataError(f"a record has {len(ids)} input_ids but {len(mask)} loss_mask entries")
+            out.append((ids, None if mask is None else np.asarray(mask, dtype=bool)))
+        return out
     if mode == "sft":
         for messages in docs:
             out.append(chat_tokens(tokenizer, messages))
@@ -303,8 +313,8 @@ def build_data(cfg_data, tokenizer, mtp_depth: int) -> PackedData:
     """DataSection + tokenizer -> PackedData (documents shorter than mtp_depth + 2 tokens are dropped); with
     data.val_docs, that many documents are held out in `.val` (packed in order, never trained on)."""
     files = list_files(cfg_data.paths, cfg_data.format)
-    field = cfg_data.messages_field if cfg_data.mode == "sft" else cfg_data.text_field
-    raw = read_records(files, cfg_data.format, field, cfg_data.text_split)
+    field = {"sft": cfg_data.messages_field, "tokens": "input_ids"}.get(cfg_data.mode, cfg_data.text_field)
+    raw = read_records(files, cfg_data.format, field, cfg_data.text_split, whole=cfg_data.mode == "tokens")
     if not raw:
         names = ", ".join(str(f) for f in files[:4]) + (" ..." if len(files) > 4 else "")
         raise DataError(f"no documents in the training data ({names}): the files are empty")

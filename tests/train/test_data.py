@@ -144,3 +144,18 @@ def test_data_errors(tmp_path):
     with pytest.raises(DataError, match=r"all 3 documents are shorter than 5 tokens.*depth \+ 2"):
         PackedData(docs_of(2, 3, 4), 8, min_doc_tokens=5)
     assert len(PackedData(docs_of(2, 5, 9), 8, min_doc_tokens=5).docs) == 2
+
+
+def test_pretokenized_records_keep_ids_and_loss_mask(tmp_path):
+    """data.mode = "tokens": records as `mtpkit distill` writes them go in unchanged, loss only where masked in."""
+    recs = [{"input_ids": [5, 6, 7, 8, 9], "loss_mask": [0, 0, 1, 1, 1]}, {"input_ids": [10, 11, 12, 13]}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    cfg = DataSection(paths=[str(tmp_path / "d.jsonl")], mode="tokens", seq_len=9, shuffle=False)
+    data = build_data(cfg, make_tokenizer(tmp_path), mtp_depth=1)
+    rows = data.rows(0, 1)
+    assert rows["input_ids"][0].tolist() == [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    assert rows["segment_ids"][0].tolist() == [0] * 5 + [1] * 4
+    assert rows["loss_mask"][0].tolist() == [False, False, True, True, True, True, True, True, True]
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"input_ids": [1, 2, 3], "loss_mask": [1]}) + "\n")
+    with pytest.raises(DataError, match="3 input_ids but 1 loss_mask"):
+        build_data(DataSection(paths=[str(tmp_path / "bad.jsonl")], mode="tokens"), make_tokenizer(tmp_path), 1)

@@ -6,7 +6,8 @@ from __future__ import annotations
 def add_parser(sub) -> None:
     p = sub.add_parser("export", help="write a training checkpoint as an HF model directory (mtp.* + tokenizer)")
     p.add_argument("path", help="run directory (its newest checkpoint) or a checkpoint directory (checkpoints/step-N)")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", required=True, help="output directory (with --mtp-only: a .safetensors file)")
+    p.add_argument("--mtp-only", action="store_true", help="write only the mtp.* tensors, as a head file for --mtp")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="cast the weights (default: as trained)")
 
@@ -17,6 +18,6 @@ def run(args) -> int:
     from ..train.checkpoint import export
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    out = export(args.path, args.out, dtype)
+    out = export(args.path, args.out, dtype, mtp_only=args.mtp_only)
     print(f"exported to {out}")
     return 0

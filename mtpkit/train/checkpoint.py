@@ -153,9 +153,10 @@ def resolve_checkpoint(run_or_ckpt) -> tuple[Path, Path]:
     return p, ckpt
 
 
-def export(run_or_ckpt, out_dir, dtype: torch.dtype | None = None) -> Path:
+def export(run_or_ckpt, out_dir, dtype: torch.dtype | None = None, mtp_only: bool = False) -> Path:
     """Write a training checkpoint as an HF-layout model directory: config.json (mtp_num_hidden_layers set),
-    safetensors with `mtp.*` under the names vLLM and SGLang load, and the run's tokenizer files."""
+    safetensors with `mtp.*` under the names vLLM and SGLang load, and the run's tokenizer files. With `mtp_only`,
+    `out_dir` is instead one .safetensors file holding just the `mtp.*` tensors (a head for `--mtp`)."""
     import json
 
     from ..checkpoint.hf import build_model, save_model
@@ -174,6 +175,10 @@ def export(run_or_ckpt, out_dir, dtype: torch.dtype | None = None) -> Path:
     else:
         model = build_model(json.loads(raw_path.read_text()))
     load_model_weights(ckpt, model)
+    if mtp_only:
+        from ..checkpoint.mtp_head import save_mtp_head
+
+        return save_mtp_head(model, out_dir, dtype)
     if dtype is not None:
         model = model.to(dtype)
     tok_dir = run_dir / "tokenizer"

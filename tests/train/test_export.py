@@ -62,6 +62,21 @@ def test_export_a_given_checkpoint_and_dtype(run, tmp_path):
     assert json.loads((tmp_path / "s2" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
+def test_export_mtp_only_head_file(run, tmp_path):
+    from mtpkit.checkpoint.mtp_head import load_mtp_head
+    from mtpkit.train.checkpoint import load_model_weights
+
+    head = tmp_path / "head.safetensors"
+    assert main(["export", str(run / "run"), "--mtp-only", "--dtype", "bfloat16", "--out", str(head)]) == 0
+    with safe_open(str(head), framework="pt") as f:
+        assert all(n.startswith("mtp.") for n in f.keys())
+    trained = mtpkit.build_model(dict(TINY_MODEL, mtp_num_hidden_layers=2))
+    load_model_weights(run / "run" / "checkpoints" / "step-00000004", trained)
+    fresh = load_mtp_head(mtpkit.build_model(TINY_MODEL), head)
+    for k, v in trained.mtp.state_dict().items():
+        assert torch.equal(fresh.mtp.state_dict()[k], v.to(torch.bfloat16).float()), k
+
+
 def test_export_errors(tmp_path):
     assert main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "o")]) == 2
     (tmp_path / "empty_run").mkdir()

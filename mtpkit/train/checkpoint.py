@@ -161,7 +161,7 @@ def export(run_or_ckpt, out_dir, dtype: torch.dtype | None = None, mtp_only: boo
 
     from ..checkpoint.hf import build_model, save_model
     from .config import load_config
-    from .data import load_tokenizer
+    from ..tokenizer import load_tokenizer
     from .trainer import build_train_model
 
     run_dir, ckpt = resolve_checkpoint(run_or_ckpt)

@@ -118,21 +118,6 @@ def read_records(files: list[Path], fmt: str, field: str, text_split: str = "fil
 
 
 # -------------------------------------------------------------------------------------------------------- tokenizing
-def load_tokenizer(path):
-    """An HF tokenizer from a directory, or from a .gguf file's metadata."""
-    from transformers import AutoTokenizer
-
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise FileNotFoundError(f"tokenizer path {p} does not exist")
-    try:
-        if p.suffix == ".gguf":
-            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-        return AutoTokenizer.from_pretrained(str(p))
-    except (OSError, ValueError) as e:
-        raise DataError(f"cannot load a tokenizer from {p} ({e}): set model.tokenizer to an HF tokenizer directory") from None
-
-
 def chat_tokens(tokenizer, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
     """A conversation through the tokenizer's chat template -> (ids, loss mask): True on the tokens of assistant
     turns (their content and end-of-turn token), False on system/user turns and on the template's headers.

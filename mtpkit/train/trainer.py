@@ -33,7 +33,8 @@ from ..parallel.distributed import all_reduce_sum, barrier, init_distributed, sh
 from ..parallel.apply import parallelize
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, to_toml
-from .data import DataLoader, build_data, load_tokenizer
+from ..tokenizer import load_tokenizer
+from .data import DataLoader, build_data
 from .flops import flops_per_token, peak_flops
 from .loss import LossConfig, compute_loss, count_tokens, freeze_trunk, shift_labels
 from .optim import build_optimizer, build_scheduler

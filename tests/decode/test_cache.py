@@ -1,19 +1,8 @@
 """Caches: prefill + one-token steps == full forward, and GDN rollback by gather == running the accepted tokens."""
 
-import pytest
 import torch
-from tiny_models import hf_model, random_mtp_tensors, save_hf
 
-import mtpkit
 from mtpkit.decode.cache import Cache
-
-
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next", "llama"])
-def model(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    ref = hf_model(request.param)
-    save_hf(ref, path, mtp_tensors=random_mtp_tensors(ref))
-    return mtpkit.load_model(path)
 
 
 def _pos(start, n, batch=1):

@@ -3,21 +3,13 @@ different lengths, per-row EOS and length limits, streaming, seeds, and one clea
 
 import pytest
 import torch
-from tiny_models import hf_model, random_mtp_tensors, save_hf
+from tiny_models import hf_model
 
 import mtpkit
 from mtpkit.decode.cpu_matmul import thin_linear, thin_matmuls
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next", "llama"])
-def model(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    ref = hf_model(request.param)
-    save_hf(ref, path, mtp_tensors=random_mtp_tensors(ref))
-    return mtpkit.load_model(path)
 
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 8], [7, 7], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]

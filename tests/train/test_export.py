@@ -38,7 +38,7 @@ def test_export_run_dir_writes_hf_layout_with_mtp_and_tokenizer(run, tmp_path):
               "model.layers.0.linear_attn.in_proj_qkv.weight", "model.embed_tokens.weight"):
         assert n in names, n
     assert (out / "tokenizer.json").exists() and (out / "tokenizer_config.json").exists()
-    tok = mtpkit.train.data.load_tokenizer(out)
+    tok = mtpkit.tokenizer.load_tokenizer(out)
     assert tok.chat_template and len(tok) == 320
 
     loaded = mtpkit.load_model(out)

@@ -6,7 +6,6 @@ The helpers at the top (a tiny corpus, BPE tokenizer and config) are shared by t
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 

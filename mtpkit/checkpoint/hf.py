@@ -9,6 +9,7 @@ never loses part of a checkpoint (HF transformers drops `mtp.*` both ways).
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -271,8 +272,6 @@ def load_model(
         per_expert=set(experts),
     )
     if passthrough:
-        import logging
-
         logging.getLogger("mtpkit").info(
             "%d vision tensors (model.visual.*) are not used by the text model; they are kept and saved back",
             len(passthrough),

@@ -65,14 +65,6 @@ def all_reduce_sum(values: list[float], d: Dist) -> list[float]:
     return t.tolist()
 
 
-def all_reduce_max(values: list[float], d: Dist) -> list[float]:
-    if not d.enabled:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=d.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
 def barrier(d: Dist) -> None:
     if d.enabled:
         dist.barrier()

@@ -29,6 +29,15 @@ def _hybrid_rope():
             "mrope_interleaved": True}
 
 
+def _randomise_norms(m: torch.nn.Module) -> torch.nn.Module:
+    """Every norm weight away from its init, so (1 + w) vs w bugs show; the model in eval mode."""
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.normal_(0.0, 0.3) if "linear_attn.norm" not in name else p.uniform_(0.5, 1.5)
+    return m.eval()
+
+
 def hf_model(family: str) -> torch.nn.Module:
     """A tiny randomly initialised HF model; every norm weight randomised so (1 + w) vs w bugs show."""
     torch.manual_seed(0)
@@ -62,11 +71,7 @@ def hf_model(family: str) -> torch.nn.Module:
                                                                  vision_start_token_id=252, vision_end_token_id=253))
     else:
         raise KeyError(family)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "norm" in name and p.dim() == 1:
-                p.normal_(0.0, 0.3) if "linear_attn.norm" not in name else p.uniform_(0.5, 1.5)
-    return m.eval()
+    return _randomise_norms(m)
 
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_5_vlm", "qwen3_next", "llama", "qwen2", "qwen3", "qwen3_vl"]
@@ -141,13 +146,12 @@ def hf_vlm_model(family: str) -> torch.nn.Module:
             text_config=dict(**_HYBRID, **_MOE, rope_parameters=_hybrid_rope()), vision_config=_VISION, **VLM_TOKENS))
     else:
         raise KeyError(family)
+    _randomise_norms(m)
     with torch.no_grad():
         for name, p in m.named_parameters():
-            if "norm" in name and p.dim() == 1:
-                p.normal_(0.0, 0.3) if "linear_attn.norm" not in name else p.uniform_(0.5, 1.5)
-            elif name.endswith("mlp.gate.weight"):
+            if name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.5)  # a router that actually routes
-    return m.eval()
+    return m
 
 
 def vlm_prompt(spec, seed: int = 0, patch_dim: int = 96, merge: int = 2) -> dict[str, torch.Tensor]:

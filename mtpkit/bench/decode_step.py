@@ -131,10 +131,11 @@ def print_step_table(models: dict, args, ks) -> None:
 
 def print_hf_comparison(model, path: pathlib.Path, args) -> None:
     import transformers
-    from transformers import AutoModelForCausalLM
+
+    from .speedup import load_hf_baseline
 
     transformers.logging.set_verbosity_error()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf = load_hf_baseline(path)
     prompt = [1] + list(range(1000, 1000 + args.context - 1))
     ours, theirs, same = tokens_per_second(model, hf, prompt, args.new_tokens, args.runs)
     med = {name: {key: statistics.median(v) for key, v in r.items() if key != "tokens"}

@@ -68,6 +68,15 @@ def _timed(fn):
     return out, time.perf_counter() - start
 
 
+def load_hf_baseline(path: Path, dtype=torch.float32):
+    """The same model through transformers, loaded the way a user would (the `--baseline hf` column)."""
+    from transformers import AutoModelForCausalLM
+
+    if path.suffix == ".gguf":  # transformers dequantises the GGUF; fp32 is its fastest CPU path
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+
+
 def hf_generate(hf_model, ids: list[int], num_tokens: int, eos) -> list[int]:
     """transformers' own greedy generate(): the library baseline, as a user would call it."""
     x = torch.tensor([ids])

@@ -24,20 +24,12 @@ def add_parser(sub) -> None:
     p.add_argument("--plot", help="draw acceptance per position and speedup per k to this PNG")
 
 
-def _hf_baseline(path: Path, dtype):
-    from transformers import AutoModelForCausalLM
-
-    if path.suffix == ".gguf":  # transformers dequantises the GGUF; fp32 is its fastest CPU path
-        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
-
-
 def run(args) -> int:
     import torch
 
     from ..assets import default_gguf_path
     from ..bench.report import plot, render
-    from ..bench.speedup import DEFAULT_HEAD, DEFAULT_PROMPTS, load_prompts, resource, run_bench
+    from ..bench.speedup import DEFAULT_HEAD, DEFAULT_PROMPTS, load_hf_baseline, load_prompts, resource, run_bench
     from ..checkpoint.hf import load_model
     from ..checkpoint.mtp_head import load_mtp_head
     from ..tokenizer import load_tokenizer
@@ -57,7 +49,7 @@ def run(args) -> int:
         raise ValueError(f"{path} has no MTP head: pass one with --mtp (train one with mtpkit train, mtp.only = true)")
     tokenizer = load_tokenizer(path)
     prompts = load_prompts(args.prompts or resource(DEFAULT_PROMPTS), tokenizer)
-    hf = _hf_baseline(path, dtype) if args.baseline == "hf" else None
+    hf = load_hf_baseline(path, dtype) if args.baseline == "hf" else None
     report = run_bench(model.eval(), prompts, num_tokens=args.num_tokens, ks=ks, temperature=args.temperature,
                        repeats=args.repeats, eos_token_id=tokenizer.eos_token_id, hf_model=hf)
     report.update(model=path.name, device=str(model.output_weight.device), dtype=args.dtype, threads=torch.get_num_threads(),

@@ -70,7 +70,7 @@ def step_costs(model, ks, repeats: int, context: int, draft_vocab: int) -> list[
         greedy = SamplingParams()
         heads = {"full": spec.DraftHead(model, greedy),
                  "subset": spec.DraftHead(model, greedy, torch.arange(draft_vocab))}
-        rows, start = [], torch.tensor([context])
+        rows, start, delta = [], torch.tensor([context]), torch.zeros(1, dtype=torch.long)
         for k in ks:
             sl = slice(context, context + k + 1)
 
@@ -83,8 +83,9 @@ def step_costs(model, ks, repeats: int, context: int, draft_vocab: int) -> list[
             def drafting(head, hidden=verify()):
                 # what a step adds besides verification: the MTP over the k+1 verified rows, then k-1 chained
                 # steps and k draft projections
-                m = spec.mtp_extend(model, cache, hidden, ids[:, sl.start + 1 : sl.stop + 1], start, context)[:, 0]
-                spec.draft(model, cache, m, start + 1, context + 1, k, head, None)
+                m = spec.mtp_extend(model, cache, hidden, ids[:, sl.start + 1 : sl.stop + 1], start, delta,
+                                    context)[:, 0]
+                spec.draft(model, cache, m, start + 1, delta, context + 1, k, head, None)
 
             row = {"k": k, "decode_plain": one_plain, "decode": one, "verify": median_ms(verify, repeats)}
             for name, head in heads.items():

@@ -35,10 +35,24 @@ class GenerateResult:
     accept_lengths: list[list[int]]  # per row, speculative only: tokens kept from each verification step
 
 
-def _prompt_rows(prompts, vocab_size: int) -> list[list[int]]:
+_VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids")
+
+
+def _prompt_rows(prompts, vocab_size: int) -> tuple[list[list[int]], list[dict]]:
+    """Token id rows and, per row, its vision inputs ({} for a text prompt). A prompt is a row of ids, or a dict
+    as `mtpkit.image_inputs` returns it: input_ids [1, T] plus pixel values and grids."""
     if isinstance(prompts, torch.Tensor) and prompts.dim() != 2:
         raise ValueError(f"prompts must be a [B, T] tensor of token ids, got shape {tuple(prompts.shape)}")
-    rows = prompts.tolist() if isinstance(prompts, torch.Tensor) else [list(map(int, p)) for p in prompts]
+    if isinstance(prompts, torch.Tensor):
+        prompts = prompts.tolist()
+    rows, vision = [], []
+    for p in prompts:
+        extra = {}
+        if isinstance(p, dict):
+            extra = {k: p[k] for k in _VISION_KEYS if p.get(k) is not None}
+            p = torch.as_tensor(p["input_ids"]).flatten().tolist()
+        rows.append(list(map(int, p)))
+        vision.append(extra)
     if not rows:
         raise ValueError("no prompts given")
     for i, r in enumerate(rows):
@@ -46,7 +60,7 @@ def _prompt_rows(prompts, vocab_size: int) -> list[list[int]]:
             raise ValueError(f"prompt {i} is empty: give at least one token (e.g. BOS)")
         if min(r) < 0 or max(r) >= vocab_size:
             raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size})")
-    return rows
+    return rows, vision
 
 
 class _Bookkeeper:
@@ -102,29 +116,38 @@ class _Bookkeeper:
         }
 
 
-def _prefill(model, cache, rows, params, generator, with_mtp: bool):
-    """Prefill runs of equal-length rows in one forward each. Returns the first sampled token [B] and, with_mtp,
-    the MTP's output at each row's last prompt position [B, H] (its cache filled over the whole prompt)."""
+def _prefill(model, cache, rows, vision, params, generator, with_mtp: bool):
+    """Prefill runs of equal-length text rows in one forward each, and each image prompt on its own. Returns the
+    first sampled token [B], the rope deltas [B] (decoding continues at position slot + delta; 0 for text) and,
+    with_mtp, the MTP's output at each row's last prompt position [B, H] (its cache filled over the prompt)."""
     device = model.output_weight.device
-    firsts, ms, start = [], [], 0
-    for length, group in itertools.groupby(rows, key=len):
-        ids = torch.tensor(list(group), device=device)  # [b, T]
+    firsts, deltas, ms, start = [], [], [], 0
+    runs = itertools.groupby(range(len(rows)), key=lambda i: (len(rows[i]), i if vision[i] else -1))
+    for (length, _), group in runs:
+        group = list(group)
+        ids = torch.tensor([rows[i] for i in group], device=device)  # [b, T]
+        extra = {k: torch.as_tensor(v).to(device) for k, v in vision[group[0]].items()}
         view = cache.rows(slice(start, start + ids.shape[0]))
         start += ids.shape[0]
-        positions = torch.arange(length, device=device).expand_as(ids)
-        hidden = model(ids, positions=positions, cache=view, return_logits=False, kv_len=length).hidden  # [b, T, H]
+        inputs = model.prepare_inputs(ids, **extra)
+        slots = torch.arange(length, device=device).expand_as(ids)
+        hidden = model(inputs_embeds=inputs.embeds, positions=inputs.positions, deepstack=inputs.deepstack,
+                       cache=view, cache_positions=slots, return_logits=False, kv_len=length).hidden  # [b, T, H]
         first = select(model.logits(hidden[:, -1]), params, generator)
         firsts.append(first)
-        if with_mtp:  # row i: trunk hidden at i and token i+1; the last row takes the token just sampled
-            nxt = torch.cat([ids[:, 1:], first[:, None]], dim=1)
-            ms.append(model.mtp_step(nxt, hidden, positions, 1, view, kv_len=length)[:, -1])
-    return torch.cat(firsts), (torch.cat(ms) if with_mtp else None)
+        delta = inputs.rope_deltas
+        deltas.append(torch.zeros_like(first) if delta is None else delta[:, 0])
+        if with_mtp:  # row i: trunk hidden at i and the input after it (a vision embedding at an image token)
+            nxt = torch.cat([inputs.embeds[:, 1:], model.embed(first)[:, None]], dim=1)
+            m = model.mtp_step(None, hidden, inputs.positions, 1, view, slots, kv_len=length, embeds=nxt)
+            ms.append(m[:, -1])
+    return torch.cat(firsts), torch.cat(deltas), (torch.cat(ms) if with_mtp else None)
 
 
 @torch.inference_mode()
 def generate(
     model,
-    prompts: torch.Tensor | Sequence[Sequence[int]],
+    prompts: torch.Tensor | Sequence[Sequence[int] | dict],
     *,
     max_new_tokens: int,
     draft_tokens: int = 0,
@@ -136,13 +159,14 @@ def generate(
     draft_vocab: torch.Tensor | None = None,
     on_tokens: Callable[[int, list[int]], None] | None = None,
 ) -> GenerateResult:
-    """Decode up to max_new_tokens new tokens per prompt; draft_tokens=k > 0 drafts k tokens per step with the
+    """Decode up to max_new_tokens new tokens per prompt (rows of token ids, or for a vision-language model
+    dicts from `mtpkit.image_inputs` with the image patches); draft_tokens=k > 0 drafts k tokens per step with the
     model's MTP module and verifies them in one trunk forward (lossless: greedy output is token for token the
     same, sampled output has exactly the same distribution). `draft_vocab` restricts drafting to those ids.
     `on_tokens(row, ids)` is called with every row's new tokens as they are produced (for streaming)."""
     params = SamplingParams(temperature, top_k, top_p)
     cfg = model.config
-    rows = _prompt_rows(prompts, cfg.vocab_size)
+    rows, vision = _prompt_rows(prompts, cfg.vocab_size)
     k = int(draft_tokens)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, not {max_new_tokens}")
@@ -163,29 +187,31 @@ def generate(
 
     book = _Bookkeeper(len(rows), k, max_new_tokens, eos, on_tokens)
     with thin_matmuls(model):
-        return _decode(model, rows, book, params, generator, head)
+        return _decode(model, rows, vision, book, params, generator, head)
 
 
-def _decode(model, rows, book: _Bookkeeper, params, generator, head) -> GenerateResult:
+def _decode(model, rows, vision, book: _Bookkeeper, params, generator, head) -> GenerateResult:
     start = time.perf_counter()
     k, weight = book.k, model.output_weight
     cache = Cache(model.config, len(rows), max(map(len, rows)) + book.max_new + k + 1, weight.dtype, weight.device)
-    last, m = _prefill(model, cache, rows, params, generator, with_mtp=k > 0)
-    pos_host = list(map(len, rows))  # positions also kept on the host, so no forward reads them back
-    pos = torch.tensor(pos_host, device=weight.device)  # [B]: position of `last`, not yet in the cache
+    last, delta, m = _prefill(model, cache, rows, vision, params, generator, with_mtp=k > 0)
+    pos_host = list(map(len, rows))  # cache slots also kept on the host, so no forward reads them back
+    pos = torch.tensor(pos_host, device=weight.device)  # [B]: cache slot of `last`, not yet in the cache
     keep = book.emit([[t] for t in last.tolist()])
     while keep:
         if len(keep) < last.shape[0]:  # some rows stopped: drop them from the batch
             idx = torch.tensor(keep, device=weight.device)
-            cache, last, pos = cache.rows(idx), last[idx], pos[idx]
+            cache, last, pos, delta = cache.rows(idx), last[idx], pos[idx], delta[idx]
             m = None if m is None else m[idx]
             pos_host = [pos_host[b] for b in keep]
         top = max(pos_host)
         if k == 0:
-            logits = model(last[:, None], positions=pos[:, None], cache=cache, kv_len=top + 1).logits[:, 0]
+            slot = pos[:, None]
+            logits = model(last[:, None], positions=slot + delta[:, None], cache=cache, cache_positions=slot,
+                           kv_len=top + 1).logits[:, 0]
             n, tokens = torch.zeros_like(last), select(logits, params, generator)[:, None]
         else:
-            n, tokens, m = spec.step(model, cache, last, pos, m, top, k, head, params, generator)
+            n, tokens, m = spec.step(model, cache, last, pos, delta, m, top, k, head, params, generator)
         book.forward_passes += 1
         host = torch.cat([n[:, None], tokens], dim=1).tolist()  # the one device read of the step
         keep = book.emit([h[1 : h[0] + 2] for h in host], [h[0] for h in host] if k else None)

@@ -64,15 +64,16 @@ class DraftHead:
         return self.vocab[idx], full
 
 
-def draft(model, cache, m: torch.Tensor, pos: torch.Tensor, top: int, k: int, head: DraftHead, generator):
-    """k draft tokens per row. m [B, H]: the MTP's depth-1 output at position pos-1 (it predicts the token at
-    pos+1, the one after the last sampled token, which sits at pos); top = max(pos) on the host.
-    Returns drafts [B, k] and q [B, k, V] or None."""
+def draft(model, cache, m, pos, delta, top: int, k: int, head: DraftHead, generator):
+    """k draft tokens per row. m [B, H]: the MTP's depth-1 output at slot pos-1 (it predicts the token at
+    pos+1, the one after the last sampled token, which sits at pos); delta [B]: rope position - slot (MRoPE
+    after images, else 0); top = max(pos) on the host. Returns drafts [B, k] and q [B, k, V] or None."""
     tokens, qs = [], []
     for j in range(1, k + 1):
         if j > 1:  # chain: the previous draft and the MTP's own post-norm output, one position further
             p = (pos + j - 2)[:, None]
-            m = model.mtp_step(tokens[-1][:, None], m[:, None], p, j, cache, kv_len=top + j - 1)[:, 0]
+            m = model.mtp_step(tokens[-1][:, None], m[:, None], p + delta[:, None], j, cache, p,
+                               kv_len=top + j - 1)[:, 0]
         d, q = head(m, generator)
         tokens.append(d)
         qs.append(q)
@@ -111,24 +112,25 @@ def accept_sampling(drafts, q, p, generator) -> tuple[torch.Tensor, torch.Tensor
     return n, tokens
 
 
-def mtp_extend(model, cache, hidden: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, top: int):
-    """Run the MTP (depth 1) over verified rows: hidden [B, T, H] from the trunk at positions pos..pos+T-1 and the
+def mtp_extend(model, cache, hidden, tokens, pos, delta, top: int):
+    """Run the MTP (depth 1) over verified rows: hidden [B, T, H] from the trunk at slots pos..pos+T-1 and the
     tokens that follow them [B, T]. Writes the MTP cache there; returns its outputs [B, T, H]. Rows past a
     row's accepted count write stale slots that later steps overwrite, as in the trunk's KV cache."""
     T = tokens.shape[1]
-    positions = pos[:, None] + torch.arange(T, device=pos.device)
-    return model.mtp_step(tokens, hidden, positions, 1, cache, kv_len=top + T)
+    slots = pos[:, None] + torch.arange(T, device=pos.device)
+    return model.mtp_step(tokens, hidden, slots + delta[:, None], 1, cache, slots, kv_len=top + T)
 
 
-def step(model, cache, last, pos, m, top: int, k: int, head: DraftHead, params: SamplingParams, generator):
+def step(model, cache, last, pos, delta, m, top: int, k: int, head: DraftHead, params: SamplingParams, generator):
     """One speculative step for every row: draft k tokens, verify [last, drafts] in one trunk forward, accept,
     roll the GDN state back to the last accepted token, and run the MTP over the accepted rows.
-    last, pos [B]: the last sampled token and its position (not yet in the cache); m [B, H]: the MTP's output at
-    pos-1; top = max(pos). Returns accepted counts n [B], tokens [B, k+1] (first n+1 emitted) and the next m."""
-    drafts, q = draft(model, cache, m, pos, top, k, head, generator)
-    positions = pos[:, None] + torch.arange(k + 1, device=pos.device)
+    last, pos [B]: the last sampled token and its cache slot (not yet in the cache); delta [B]: its rope position
+    - slot; m [B, H]: the MTP's output at slot pos-1; top = max(pos). Returns accepted counts n [B], tokens [B, k+1] (first n+1 emitted) and the next m."""
+    drafts, q = draft(model, cache, m, pos, delta, top, k, head, generator)
+    slots = pos[:, None] + torch.arange(k + 1, device=pos.device)
     cache.keep_history(True)
-    out = model(torch.cat([last[:, None], drafts], 1), positions=positions, cache=cache, kv_len=top + k + 1)
+    out = model(torch.cat([last[:, None], drafts], 1), positions=slots + delta[:, None], cache=cache,
+                cache_positions=slots, kv_len=top + k + 1)
     if params.greedy:
         n, tokens = accept_greedy(drafts, out.logits)
     else:
@@ -136,5 +138,5 @@ def step(model, cache, last, pos, m, top: int, k: int, head: DraftHead, params: 
     cache.commit(n + 1)  # GDN layers continue from the state after the last accepted token
     cache.keep_history(False)
     # MTP row j: trunk hidden at pos+j and the token emitted after it; row n, the last one kept, drafts next
-    ext = mtp_extend(model, cache, out.hidden, tokens, pos, top)
+    ext = mtp_extend(model, cache, out.hidden, tokens, pos, delta, top)
     return n, tokens, ext[torch.arange(n.shape[0], device=n.device), n]

@@ -26,6 +26,16 @@ class ModelOutput:
     mtp_hidden: list[torch.Tensor] | None = None  # depth d: [B, T-d, H], after mtp.norm
 
 
+@dataclass
+class Inputs:
+    """What a forward over input_ids starts from, computed once so decoding and MTP-only training can reuse it."""
+
+    embeds: torch.Tensor  # [B, T, H]: token embeddings (vision embeddings at image tokens); the MTP's input too
+    positions: torch.Tensor  # [B, T], or MRoPE [3, B, T] for a vision-language model
+    deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # see CausalLM.forward
+    rope_deltas: torch.Tensor | None = None  # [B, 1]: decoding continues at position slot + delta (None: 0)
+
+
 def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
     """Positions restarting at 0 at every document start of packed rows [B, T]."""
     T = segment_ids.shape[1]
@@ -71,6 +81,16 @@ class CausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
+
+    def prepare_inputs(self, input_ids: torch.Tensor, segment_ids: torch.Tensor | None = None, **vision) -> Inputs:
+        """Embeddings and positions of input_ids [B, T] (restarting per packed document with segment_ids)."""
+        given = [k for k, v in vision.items() if v is not None]
+        if given:
+            raise ValueError(
+                f"this model has no vision tower and cannot take {', '.join(given)}: load a vision-language "
+                "checkpoint with mtpkit.load_model(path, vision=True)"
+            )
+        return Inputs(self.embed(input_ids), default_positions(input_ids, segment_ids))
 
     def context(self, positions, segment_ids=None, cache=None, cache_positions=None, dtype=torch.float32,
                 kv_len: int | None = None) -> Context:
@@ -156,13 +176,16 @@ class CausalLM(nn.Module):
         return outs
 
     def mtp_step(
-        self, token_ids, hidden, positions, depth: int, cache, cache_positions=None, kv_len: int | None = None
+        self, token_ids, hidden, positions, depth: int, cache, cache_positions=None, kv_len: int | None = None,
+        embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One cached drafting step: token_ids [B, T] are the tokens after the rows of hidden [B, T, H].
-        Returns the MTP's post-norm output (fed back as `hidden` for the next chained depth)."""
+        """One cached drafting step: token_ids [B, T] are the tokens after the rows of hidden [B, T, H] (or their
+        `embeds` [B, T, H], e.g. vision embeddings after an image prompt's rows). Returns the MTP's post-norm
+        output (fed back as `hidden` for the next chained depth)."""
         if cache_positions is None:
             cache_positions = positions if positions.dim() == 2 else positions[0]
-        embeds = self.embed(token_ids)
+        if embeds is None:
+            embeds = self.embed(token_ids)
         ctx = self.context(positions, None, cache, cache_positions, embeds.dtype, kv_len)
         layer = min(depth, len(self.mtp.layers)) - 1
         return self.mtp(embeds, hidden, ctx, depth, cache.mtp[layer])

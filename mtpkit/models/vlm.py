@@ -14,7 +14,7 @@ import torch
 
 from .config import ModelConfig
 from .rope_index import rope_index
-from .transformer import CausalLM, ModelOutput
+from .transformer import CausalLM, Inputs, ModelOutput
 from .vision import VisionConfig, VisionModel, check_grid, vision_config_from_hf
 
 
@@ -110,6 +110,18 @@ class VisionLanguageModel(CausalLM):
             return x, (visual, levels)
         return x, (img_mask, img_ds) if img_mask is not None else (vid_mask, vid_ds)
 
+    def prepare_inputs(self, input_ids, segment_ids=None, pixel_values=None, image_grid_thw=None,
+                       pixel_values_videos=None, video_grid_thw=None, mm_token_type_ids=None) -> Inputs:
+        """Spliced embeddings, DeepStack, 3-D MRoPE positions (per packed document with segment_ids) and the
+        decode-time rope deltas of a multimodal batch."""
+        embeds, deepstack = self.embed_multimodal(
+            input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
+        )
+        positions, deltas = self.rope_index(
+            input_ids, image_grid_thw, video_grid_thw, mm_token_type_ids=mm_token_type_ids, segment_ids=segment_ids
+        )
+        return Inputs(embeds, positions, deepstack, deltas)
+
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -126,12 +138,14 @@ class VisionLanguageModel(CausalLM):
         cache_positions: torch.Tensor | None = None,
         mtp: bool | int = False,
         return_logits: bool = True,
+        deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
+        kv_len: int | None = None,
     ) -> ModelOutput:
         """As `CausalLM.forward`, plus patches from the HF processor: pixel_values [N, C*T*p*p] with
         image_grid_thw [n, 3] (and the same for videos). Without `positions`, the 3-D MRoPE positions are
         computed from input_ids (per packed document when `segment_ids` is given). With a cache and 3-D
-        positions, `cache_positions` (the KV slots) must be given: image positions are not slot indices."""
-        deepstack = None
+        positions, `cache_positions` (the KV slots) must be given: image positions are not slot indices.
+        `deepstack` is taken only with inputs_embeds (from `prepare_inputs`); with input_ids it is computed."""
         if input_ids is not None:
             inputs_embeds, deepstack = self.embed_multimodal(
                 input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, inputs_embeds
@@ -147,5 +161,5 @@ class VisionLanguageModel(CausalLM):
             raise ValueError("with 3-D MRoPE positions and a cache, pass cache_positions (the KV slots) too")
         return super().forward(
             inputs_embeds=inputs_embeds, positions=positions, segment_ids=segment_ids, cache=cache,
-            cache_positions=cache_positions, mtp=mtp, return_logits=return_logits, deepstack=deepstack,
+            cache_positions=cache_positions, mtp=mtp, return_logits=return_logits, deepstack=deepstack, kv_len=kv_len,
         )

@@ -4,6 +4,7 @@ the trunk's distribution exactly (statistical tests with a fixed seed, shown to 
 
 import pytest
 import torch
+from drafting import make_drafting
 
 import mtpkit
 from mtpkit.decode import speculative as spec
@@ -32,22 +33,9 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [30, 4, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11,
 
 
 def drafting_model(family: str, mtp_layers: int = 1, noise: float = 0.17, seed: int = 0):
-    """A tiny random model (vocab 32) whose MTP head drafts well but not perfectly. Embeddings of std 1 dominate
-    the residual stream and lm_head row v is the embedding of a random predecessor of v, so the trunk is close to
-    a bigram model that walks a random permutation; the MTP's fc reads the embedding half, so its draft for
-    token i+2 is the walk's successor of token i+1. The trunk's other weights are random with std `noise`,
-    which sets how often the trunk departs from the walk, i.e. how many drafts are rejected."""
+    """A tiny random model (vocab 32) whose MTP head drafts well but not perfectly (see `make_drafting`)."""
     torch.manual_seed(seed)
-    model = mtpkit.build_model(dict(CONFIGS[family], mtp_num_hidden_layers=mtp_layers))
-    h, V = model.config.hidden_size, model.config.vocab_size
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.05 if name.startswith("mtp.") else noise)
-        E = model.model.embed_tokens.weight.normal_(0.0, 1.0)
-        model.lm_head.weight.copy_(E[torch.randperm(V).argsort()] / h**0.5)
-        model.mtp.fc.weight.add_(torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1))
-    return model.eval()
+    return make_drafting(mtpkit.build_model(dict(CONFIGS[family], mtp_num_hidden_layers=mtp_layers)), noise, seed)
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))

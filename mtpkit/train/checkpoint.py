@@ -173,7 +173,7 @@ def export(run_or_ckpt, out_dir, dtype: torch.dtype | None = None, mtp_only: boo
     if source is not None and Path(source).expanduser().exists():
         model = build_train_model(cfg)  # same structure as in training; keeps tensors the run did not train (vision)
     else:
-        model = build_model(json.loads(raw_path.read_text()))
+        model = build_model(json.loads(raw_path.read_text()), vision=cfg.data.images)
     load_model_weights(ckpt, model)
     if mtp_only:
         from ..checkpoint.mtp_head import save_mtp_head
@@ -184,5 +184,7 @@ def export(run_or_ckpt, out_dir, dtype: torch.dtype | None = None, mtp_only: boo
     tok_dir = run_dir / "tokenizer"
     tokenizer = load_tokenizer(tok_dir) if tok_dir.exists() else None
     out = save_model(model, out_dir, tokenizer)
+    if (tok_dir / "preprocessor_config.json").exists():  # an image-trained run: the model takes images
+        shutil.copy2(tok_dir / "preprocessor_config.json", out / "preprocessor_config.json")
     logger.info("exported %s (step %s) to %s", ckpt, ckpt.name[len(_STEP_PREFIX):].lstrip("0") or "0", out)
     return out

@@ -58,6 +58,8 @@ class DataSection:
     shuffle: bool = True  # shuffle documents and packed rows, with a fresh permutation per epoch
     seed: int = 1234
     val_docs: int = 0  # documents held out (a seeded choice) for evaluation (train.eval_every)
+    images: bool = False  # records carry images (mtpkit.train.vision_data): a vision-language model is trained
+    image_field: str = "image"  # pretrain records: the image path (or list of paths) placed before the text
 
 
 @dataclass
@@ -273,6 +275,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigKeyError("train.micro_batch_size must be >= 0")
     if cfg.optim.warmup_steps < 0 or cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
         raise ConfigKeyError("optim.warmup_steps and checkpoint.every must be >= 0, checkpoint.keep >= 1")
+    if cfg.data.images and cfg.data.mode == "tokens":
+        raise ConfigKeyError("data.images needs data.mode = 'pretrain' or 'sft' (pre-tokenized data has no images)")
     if cfg.train.eval_every and not cfg.data.val_docs:
         raise ConfigKeyError("train.eval_every needs held-out documents: set data.val_docs")
     if cfg.log.every < 1:

@@ -129,6 +129,8 @@ def chat_tokens(tokenizer, messages: list[dict]) -> tuple[np.ndarray, np.ndarray
         raise DataError("data.mode = 'sft' needs a tokenizer with a chat template (tokenizer.chat_template is empty)")
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise DataError(f"chat data must be a list of {{role, content}} messages, got {str(messages)[:80]!r}")
+    if any(isinstance(m.get("content"), list) for m in messages):
+        raise DataError("a chat message has a list of parts (images?): set data.images = true for image data")
 
     def render(msgs, gen=False):
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
@@ -182,11 +184,17 @@ def tokenize_documents(docs: list, tokenizer, mode: str, add_bos: bool = False, 
 # ---------------------------------------------------------------------------------------------------------- packing
 @dataclass
 class Packed:
-    """One epoch of packed rows: tokens, segment ids and loss mask, all [R, T]."""
+    """One epoch of packed rows: tokens, segment ids and loss mask, all [R, T]; with whole-document packing also
+    the documents (indices into the packed list) of each row."""
 
     input_ids: np.ndarray
     segment_ids: np.ndarray
     loss_mask: np.ndarray
+    docs: list[list[int]] | None = None
+
+    def take(self, rows: np.ndarray) -> "Packed":
+        docs = None if self.docs is None else [self.docs[r] for r in rows]
+        return Packed(self.input_ids[rows], self.segment_ids[rows], self.loss_mask[rows], docs)
 
 
 def pack(docs: list[tuple[np.ndarray, np.ndarray | None]], seq_len: int, pad_id: int = 0) -> Packed:
@@ -202,11 +210,44 @@ def pack(docs: list[tuple[np.ndarray, np.ndarray | None]], seq_len: int, pad_id:
     return Packed(ids, doc - doc[:, :1], mask)  # segment ids restart at 0 in every row
 
 
+def pack_whole(docs: list[tuple[np.ndarray, np.ndarray | None]], seq_len: int, pad_id: int = 0) -> Packed:
+    """Whole documents, in the given order, into rows of seq_len tokens (a document that does not fit starts the
+    next row; the rest of a row is padding with its own segment and no loss): for documents with images, whose
+    placeholder tokens must stay with their patches."""
+    too_long = [len(d) for d, _ in docs if len(d) > seq_len]
+    if too_long:
+        raise DataError(f"{len(too_long)} image documents are longer than data.seq_len = {seq_len} tokens (up to "
+                        f"{max(too_long)}, image tokens included) and cannot be cut: raise data.seq_len")
+    rows, row, used = [], [], 0
+    for i, (d, _) in enumerate(docs):
+        if used + len(d) > seq_len:
+            rows.append(row)
+            row, used = [], 0
+        row.append(i)
+        used += len(d)
+    rows.append(row)
+    ids = np.full((len(rows), seq_len), pad_id, dtype=np.int64)
+    seg = np.zeros((len(rows), seq_len), dtype=np.int64)
+    mask = np.zeros((len(rows), seq_len), dtype=bool)
+    for r, members in enumerate(rows):
+        at = 0
+        for s, i in enumerate(members):
+            d, m = docs[i]
+            ids[r, at : at + len(d)] = d
+            mask[r, at : at + len(d)] = True if m is None else m
+            seg[r, at : at + len(d)] = s
+            at += len(d)
+        seg[r, at:] = len(members)
+    return Packed(ids, seg, mask, rows)
+
+
 class PackedData:
     """Documents -> an endless, deterministic stream of packed rows, addressed by global row index."""
 
     def __init__(self, docs, seq_len: int, *, seed: int = 0, shuffle: bool = True, pad_id: int = 0,
-                 min_doc_tokens: int = 2):
+                 min_doc_tokens: int = 2, vision: list | None = None):
+        """docs: (ids, loss mask or None) each; vision: per document (pixel_values, image_grid_thw) or None, to
+        pack documents whole and batch their patches with their rows."""
         short = [i for i, (d, _) in enumerate(docs) if len(d) < min_doc_tokens]
         if short:
             if len(short) == len(docs):
@@ -217,14 +258,17 @@ class PackedData:
                 )
             logger.warning("skipping %d of %d documents shorter than %d tokens (too short for the MTP depth)",
                            len(short), len(docs), min_doc_tokens)
-            keep = set(range(len(docs))) - set(short)
-            docs = [docs[i] for i in sorted(keep)]
+            keep = sorted(set(range(len(docs))) - set(short))
+            docs = [docs[i] for i in keep]
+            vision = None if vision is None else [vision[i] for i in keep]
         if not any(m is None or m[1:].any() for _, m in docs):
             raise DataError("no document has a token to train on (every loss mask is empty: no assistant turns?)")
         self.docs, self.seq_len, self.seed, self.shuffle, self.pad_id = docs, seq_len, seed, shuffle, pad_id
-        self.num_tokens = int(sum(len(d) for d, _ in docs))
-        self.rows_per_epoch = -(-self.num_tokens // seq_len)
+        self.vision = vision
         self._epoch, self._packed = None, None
+        self.num_tokens = int(sum(len(d) for d, _ in docs))
+        # whole-document packing leaves row tails empty, so its row count depends on the order: fix it per epoch
+        self.rows_per_epoch = -(-self.num_tokens // seq_len) if vision is None else len(self.epoch(0).input_ids)
         self.val: PackedData | None = None  # held-out documents (build_data with data.val_docs)
 
     def fingerprint(self) -> str:
@@ -241,16 +285,23 @@ class PackedData:
             rng = np.random.default_rng([self.seed, e])
             if self.shuffle:
                 order = rng.permutation(len(self.docs))
-            p = pack([self.docs[i] for i in order], self.seq_len, self.pad_id)
+            docs = [self.docs[i] for i in order]
+            if self.vision is None:
+                p = pack(docs, self.seq_len, self.pad_id)
+            else:
+                p = pack_whole(docs, self.seq_len, self.pad_id)
+                p.docs = [[int(order[i]) for i in row] for row in p.docs]
+                if e and len(p.docs) != self.rows_per_epoch:  # the same row count every epoch: pad or drop
+                    p = p.take(np.resize(np.arange(len(p.docs)), self.rows_per_epoch))
             if self.shuffle:
-                perm = rng.permutation(len(p.input_ids))
-                p = Packed(p.input_ids[perm], p.segment_ids[perm], p.loss_mask[perm])
+                p = p.take(rng.permutation(len(p.input_ids)))
             self._epoch, self._packed = e, p
         return self._packed
 
     def rows(self, start: int, n: int) -> dict[str, torch.Tensor]:
         """Rows start .. start+n-1 of the endless stream, as tensors [n, T]."""
         parts = {"input_ids": [], "segment_ids": [], "loss_mask": []}
+        docs = []
         i = start
         while i < start + n:
             e, r = divmod(i, self.rows_per_epoch)
@@ -259,8 +310,14 @@ class PackedData:
             parts["input_ids"].append(p.input_ids[r : r + take])
             parts["segment_ids"].append(p.segment_ids[r : r + take])
             parts["loss_mask"].append(p.loss_mask[r : r + take])
+            docs += p.docs[r : r + take] if p.docs is not None else []
             i += take
-        return {k: torch.from_numpy(np.concatenate(v)) for k, v in parts.items()}
+        batch = {k: torch.from_numpy(np.concatenate(v)) for k, v in parts.items()}
+        if self.vision is not None:
+            from .vision_data import batch_vision
+
+            batch.update(batch_vision(docs, self.vision))
+        return batch
 
 
 class DataLoader:
@@ -294,27 +351,37 @@ class DataLoader:
         self.rows_consumed = int(state["rows_consumed"])
 
 
-def build_data(cfg_data, tokenizer, mtp_depth: int) -> PackedData:
+def build_data(cfg_data, tokenizer, mtp_depth: int, processor=None) -> PackedData:
     """DataSection + tokenizer -> PackedData (documents shorter than mtp_depth + 2 tokens are dropped); with
-    data.val_docs, that many documents are held out in `.val` (packed in order, never trained on)."""
+    data.val_docs, that many documents are held out in `.val` (packed in order, never trained on). With
+    data.images, records carry images (see `mtpkit.train.vision_data`) and `processor` is the checkpoint's."""
     files = list_files(cfg_data.paths, cfg_data.format)
     field = {"sft": cfg_data.messages_field, "tokens": "input_ids"}.get(cfg_data.mode, cfg_data.text_field)
-    raw = read_records(files, cfg_data.format, field, cfg_data.text_split, whole=cfg_data.mode == "tokens")
-    if not raw:
+    vision = None
+    if cfg_data.images:
+        from .vision_data import read_image_records, tokenize_image_documents
+
+        records = read_image_records(files, cfg_data.format, cfg_data.mode, field, cfg_data.image_field)
+        triples = tokenize_image_documents(records, processor, cfg_data.mode, cfg_data.add_eos) if records else []
+        docs, vision = [(ids, mask) for ids, mask, _ in triples], [v for _, _, v in triples]
+    else:
+        raw = read_records(files, cfg_data.format, field, cfg_data.text_split, whole=cfg_data.mode == "tokens")
+        docs = tokenize_documents(raw, tokenizer, cfg_data.mode, cfg_data.add_bos, cfg_data.add_eos) if raw else []
+    if not docs:
         names = ", ".join(str(f) for f in files[:4]) + (" ..." if len(files) > 4 else "")
         raise DataError(f"no documents in the training data ({names}): the files are empty")
-    docs = tokenize_documents(raw, tokenizer, cfg_data.mode, cfg_data.add_bos, cfg_data.add_eos)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    common = dict(pad_id=pad, min_doc_tokens=mtp_depth + 2)
     val = None
     if cfg_data.val_docs:
         if cfg_data.val_docs >= len(docs):
             raise DataError(f"data.val_docs = {cfg_data.val_docs} leaves no training document (there are {len(docs)})")
         held = set(np.random.default_rng([cfg_data.seed, 999]).permutation(len(docs))[: cfg_data.val_docs].tolist())
-        val = PackedData([d for i, d in enumerate(docs) if i in held], cfg_data.seq_len, shuffle=False, pad_id=pad,
-                         min_doc_tokens=mtp_depth + 2)
-        docs = [d for i, d in enumerate(docs) if i not in held]
-    data = PackedData(docs, cfg_data.seq_len, seed=cfg_data.seed, shuffle=cfg_data.shuffle, pad_id=pad,
-                      min_doc_tokens=mtp_depth + 2)
+        split = [i in held for i in range(len(docs))]
+        pick = lambda xs, side: None if xs is None else [x for x, s in zip(xs, split) if s == side]  # noqa: E731
+        val = PackedData(pick(docs, True), cfg_data.seq_len, shuffle=False, vision=pick(vision, True), **common)
+        docs, vision = pick(docs, False), pick(vision, False)
+    data = PackedData(docs, cfg_data.seq_len, seed=cfg_data.seed, shuffle=cfg_data.shuffle, vision=vision, **common)
     data.val = val
     logger.info("data: %d documents, %d tokens, %d rows of %d per epoch%s", len(data.docs), data.num_tokens,
                 data.rows_per_epoch, cfg_data.seq_len,

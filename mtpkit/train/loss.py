@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..models.transformer import default_positions
 from .chunked_ce import chunked_cross_entropy
+from .vision_data import VISION_KEYS
 
 IGNORE = -100
 
@@ -145,23 +145,25 @@ def freeze_trunk(model):
 def _hidden_states(model, batch: dict, n: int, mtp_only: bool) -> tuple[Tensor, list[Tensor]]:
     """The trunk's post-norm hidden [B, T, H] and depth d's MTP output [B, T-d, H] for d = 1..n."""
     ids, seg, pos = batch["input_ids"], batch.get("segment_ids"), batch.get("positions")
+    vision = {k: batch[k] for k in VISION_KEYS if k in batch}  # image patches: a vision-language model
     if not mtp_only:
-        out = model(ids, positions=pos, segment_ids=seg, mtp=n or False, return_logits=False)
+        out = model(ids, positions=pos, segment_ids=seg, mtp=n or False, return_logits=False, **vision)
         return out.hidden, out.mtp_hidden or []
     if n == 0:
         raise ValueError("mtp_only training needs an MTP module: add one with mtpkit.add_mtp(model)")
-    if pos is None:
-        pos = default_positions(ids, seg)
     with torch.no_grad():  # the trunk runs as a fixed feature extractor: no graph, no gradient
-        embeds = model.embed(ids)
-        hidden = model(inputs_embeds=embeds, positions=pos, segment_ids=seg, return_logits=False).hidden
-    return hidden, model.mtp_teacher_forced(embeds, hidden, pos, seg, n)
+        inputs = model.prepare_inputs(ids, seg, **vision)
+        pos = inputs.positions if pos is None else pos
+        hidden = model(inputs_embeds=inputs.embeds, positions=pos, segment_ids=seg, deepstack=inputs.deepstack,
+                       return_logits=False).hidden
+    return hidden, model.mtp_teacher_forced(inputs.embeds, hidden, pos, seg, n)
 
 
 def compute_loss(model, batch: dict, cfg: LossConfig, step: int = 0, token_counts: dict | None = None) -> LossOutput:
     """Main + weighted MTP cross-entropy of one micro-batch, with the logits of one chunk alive at a time.
 
-    batch: input_ids [B, T], labels [B, T] (shift_labels), optional segment_ids [B, T] and positions.
+    batch: input_ids [B, T], labels [B, T] (shift_labels), optional segment_ids [B, T] and positions, and for a
+    vision-language model pixel_values and image_grid_thw (labels never target a vision token: see vision_data).
     token_counts: GLOBAL {"main": N, "mtp": [N_1..N_D]} over all ranks and micro-batches; each term is then this
     micro-batch's CE sum / global count, so gradients *summed* over ranks and micro-batches equal one big batch's
     (FSDP2/DDP average over ranks by default: scale by the world size or set the divide factor to 1).

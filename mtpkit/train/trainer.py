@@ -29,6 +29,7 @@ import torch
 
 from ..checkpoint.hf import build_model, hf_config_dict, load_model
 from ..models.mtp import add_mtp
+from ..models.multimodal import load_processor
 from ..parallel.distributed import all_reduce_sum, barrier, init_distributed, shutdown
 from ..parallel.apply import parallelize
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -38,6 +39,7 @@ from .data import DataLoader, build_data
 from .flops import flops_per_token, peak_flops
 from .loss import LossConfig, compute_loss, count_tokens, freeze_trunk, shift_labels
 from .optim import build_optimizer, build_scheduler
+from .vision_data import rows_vision
 
 logger = logging.getLogger("mtpkit")
 
@@ -66,19 +68,20 @@ def build_train_model(cfg: TrainConfig):
     m = cfg.mtp
     layers = m.layers or m.depth
     dtype = _DTYPES[cfg.model.dtype]
+    vision = cfg.data.images  # image data trains the vision tower too; otherwise it is carried through untouched
     if cfg.model.config is not None:
         raw = _raw_model_config(cfg.model.config)
         target = raw.get("text_config", raw)  # VLM layout: the text model's config
         target["mtp_num_hidden_layers"] = layers if m.depth and m.init != "last_layer" else 0
-        model = build_model(raw, dtype=dtype)
+        model = build_model(raw, dtype=dtype, vision=vision)
         if m.depth and m.init == "last_layer":
             add_mtp(model, layers, "last_layer")
         return model
     path = Path(cfg.model.path).expanduser()
     if m.depth == 0:
-        return load_model(path, dtype=dtype, mtp=False)
+        return load_model(path, dtype=dtype, mtp=False, vision=vision)
     if m.init == "checkpoint":
-        model = load_model(path, dtype=dtype, mtp=True)
+        model = load_model(path, dtype=dtype, mtp=True, vision=vision)
         if model.mtp is None:
             raise ValueError(
                 f"{path} has no MTP head (mtp.init = 'checkpoint'): set mtp.init = 'random' or 'last_layer' to add one"
@@ -87,7 +90,7 @@ def build_train_model(cfg: TrainConfig):
             raise ValueError(f"mtp.layers = {m.layers} but {path} has a {model.config.mtp_num_hidden_layers}-layer "
                              "MTP head: leave mtp.layers = 0 or use mtp.init = 'random' / 'last_layer'")
         return model
-    model = load_model(path, dtype=dtype, mtp=False)
+    model = load_model(path, dtype=dtype, mtp=False, vision=vision)
     return add_mtp(model, layers, m.init)
 
 
@@ -162,6 +165,7 @@ class Trainer:
         _seed_all(t.seed)
 
         self.tokenizer = load_tokenizer(tokenizer_path(cfg))
+        self.processor = load_processor(tokenizer_path(cfg)) if cfg.data.images else None
         model = build_train_model(cfg)
         if len(self.tokenizer) > model.config.vocab_size:
             raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is "
@@ -173,7 +177,7 @@ class Trainer:
         self.raw_config = hf_config_dict(model)
         model.to(self.device)
 
-        data = build_data(cfg.data, self.tokenizer, cfg.mtp.depth)
+        data = build_data(cfg.data, self.tokenizer, cfg.mtp.depth, self.processor)
         self.loader = DataLoader(data, t.batch_size, self.dist.rank, self.dist.world)
         per_rank = t.batch_size // self.dist.world
         self.micro = t.micro_batch_size or per_rank
@@ -202,6 +206,8 @@ class Trainer:
             (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
             (self.run_dir / "model_config.json").write_text(json.dumps(self.raw_config, indent=2) + "\n")
             self.tokenizer.save_pretrained(str(self.run_dir / "tokenizer"))
+            if self.processor is not None:  # so the exported model takes images
+                self.processor.image_processor.save_pretrained(str(self.run_dir / "tokenizer"))
         barrier(self.dist)
 
     def _maybe_resume(self) -> None:
@@ -231,8 +237,8 @@ class Trainer:
         batch = {k: v.to(self.device) for k, v in batch.items()}
         batch["labels"] = shift_labels(batch["input_ids"], batch["segment_ids"], batch["loss_mask"])
         rows = batch["input_ids"].shape[0]
-        return [{k: batch[k][i : i + self.micro] for k in ("input_ids", "labels", "segment_ids")}
-                for i in range(0, rows, self.micro)]
+        return [{**{k: batch[k][i : i + self.micro] for k in ("input_ids", "labels", "segment_ids")},
+                 **rows_vision(batch, i, i + self.micro)} for i in range(0, rows, self.micro)]
 
     def _run(self, micros: list[dict], step: int, train: bool) -> tuple[float, float, list, list]:
         """Forward (and backward when training) over this rank's micro-batches, every loss normalised by the

@@ -4,7 +4,9 @@ from .checkpoint.hf import CheckpointError, build_model, load_model, save_model
 from .decode.generate import generate
 from .models.config import ModelConfig, config_from_hf
 from .models.mtp import add_mtp
+from .models.multimodal import image_inputs, load_processor
 from .models.transformer import CausalLM, ModelOutput
+from .models.vlm import VisionLanguageModel
 
 __all__ = [
     "CausalLM",
@@ -14,8 +16,11 @@ __all__ = [
     "add_mtp",
     "build_model",
     "config_from_hf",
+    "VisionLanguageModel",
     "generate",
+    "image_inputs",
     "load_model",
+    "load_processor",
     "save_model",
 ]
 __version__ = "0.1.0"

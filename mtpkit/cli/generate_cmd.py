@@ -1,4 +1,5 @@
-"""`mtpkit generate --model PATH --prompt TEXT [--draft-tokens K]`: stream a completion, then one stats line."""
+"""`mtpkit generate --model PATH --prompt TEXT [--image PNG ...] [--draft-tokens K]`: stream a completion, then
+one stats line."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ def add_parser(sub) -> None:
     p.add_argument("--model", required=True, help="HF model directory or .gguf file")
     p.add_argument("--mtp", help="MTP head to attach: a .safetensors file holding only mtp.* tensors")
     p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image for a vision-language model (repeat for several); placed before the prompt "
+                        "unless the prompt holds an <|image_pad|> per image")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--draft-tokens", type=int, default=0, help="tokens drafted per step by the MTP head (0: plain)")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -50,17 +54,22 @@ def run(args) -> int:
     from ..checkpoint.hf import load_model
     from ..checkpoint.mtp_head import load_mtp_head
     from ..decode.generate import generate
+    from ..models.multimodal import image_inputs, load_processor, open_images
     from ..tokenizer import encode_prompt, load_tokenizer
 
     path = Path(args.model)
-    model = load_model(path)
+    images = open_images(args.image)
+    model = load_model(path, vision=bool(images))
     if args.mtp:
         load_mtp_head(model, args.mtp)
     tokenizer = load_tokenizer(path)
-    ids = encode_prompt(tokenizer, args.prompt, args.chat)
+    if images:
+        prompt = image_inputs(model, load_processor(path), args.prompt, images, args.chat)
+    else:
+        prompt = encode_prompt(tokenizer, args.prompt, args.chat)
     stream = TextStream(tokenizer)
     result = generate(
-        model, [ids], max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens,
+        model, [prompt], max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         eos_token_id=tokenizer.eos_token_id, on_tokens=stream,
     )

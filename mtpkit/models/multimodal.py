@@ -38,7 +38,7 @@ class _ImageOnlyProcessor:
 def load_processor(path):
     """The checkpoint's HF processor. A clear ValueError when the directory has none (a text-only checkpoint,
     or weights copied without the processor files)."""
-    path = Path(path)
+    path = Path(path).expanduser()
     if not any((path / f).exists() for f in _PROCESSOR_FILES):
         raise ValueError(
             f"{path} has no image processor ({' or '.join(_PROCESSOR_FILES)}): images need the checkpoint's own "
@@ -61,9 +61,10 @@ def load_processor(path):
         raise ValueError(f"{path}: cannot build the image processor or tokenizer ({e})") from None
 
 
-def image_inputs(model, processor, prompt: str, images=()) -> dict[str, torch.Tensor]:
-    """Tokens and patches for `model(**inputs)`: input_ids [1, T], pixel_values, image_grid_thw.
-    Images without a `<|image_pad|>` of their own in the prompt are placed before it, as the chat templates do."""
+def image_inputs(model, processor, prompt: str, images=(), chat: bool = False) -> dict[str, torch.Tensor]:
+    """Tokens and patches for `model(**inputs)` or `mtpkit.generate(model, [inputs])`: input_ids [1, T],
+    pixel_values, image_grid_thw. Images without a `<|image_pad|>` of their own in the prompt are placed before
+    it, as the chat templates do; `chat` wraps the result in one user turn of the tokenizer's chat template."""
     if images and not isinstance(model, VisionLanguageModel):
         raise ValueError(
             "this model has no vision tower and cannot take images: load a vision-language checkpoint with "
@@ -74,6 +75,27 @@ def image_inputs(model, processor, prompt: str, images=()) -> dict[str, torch.Te
     if missing < 0:
         raise ValueError(f"the prompt has {prompt.count(_IMAGE_PAD)} image placeholders but {len(images)} images")
     prompt = (_VISION_START + _IMAGE_PAD + _VISION_END) * missing + prompt
+    if chat:
+        if not getattr(processor.tokenizer, "chat_template", None):
+            raise ValueError("chat prompts need a tokenizer with a chat template; this one has none")
+        prompt = processor.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                         add_generation_prompt=True)
     out = processor(text=prompt, images=images or None, return_tensors="pt")
     keys = ("input_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")
     return {k: torch.as_tensor(out[k]) for k in keys if k in out and out[k] is not None}
+
+
+def open_images(paths) -> list:
+    """RGB PIL images, with one clear error for a missing or unreadable file."""
+    from PIL import Image, UnidentifiedImageError
+
+    images = []
+    for p in map(Path, paths):
+        try:
+            with Image.open(p.expanduser()) as im:
+                images.append(im.convert("RGB"))
+        except FileNotFoundError:
+            raise ValueError(f"image {p} does not exist") from None
+        except UnidentifiedImageError:
+            raise ValueError(f"{p} is not an image PIL can read") from None
+    return images

@@ -113,7 +113,7 @@ def caption_words() -> tuple[str, ...]:
 def shapes_tokenizer() -> PreTrainedTokenizerFast:
     """A Qwen3.5 tokenizer (byte-level BPE, Qwen's own pre-tokenizer) whose merges make every caption, prompt
     and chat-role word one token, with and without its leading space. The special tokens come first, so their ids
-    are fixed: <|endoftext|> 0 (eos and pad), <|im_start|> 1, <|im_end|> 2, <|vision_start|> 3, <|vision_end|> 4,
+    are fixed: <|endoftext|> 0 (pad), <|im_start|> 1, <|im_end|> 2 (eos, as in Qwen's chat models: it ends a reply), <|vision_start|> 3, <|vision_end|> 4,
     <|image_pad|> 5, <|video_pad|> 6; then the 256 byte tokens, so any text encodes, then the merges.
 
     Not a word-level tokenizer: a directory whose config.json says qwen3_5 always loads through AutoTokenizer
@@ -130,7 +130,7 @@ def shapes_tokenizer() -> PreTrainedTokenizerFast:
     bpe.train_from_iterator(corpus, trainer)
     learned = json.loads(bpe.to_str())["model"]
     tok = Qwen3_5Tokenizer(vocab=learned["vocab"], merges=[tuple(m) for m in learned["merges"]],
-                           eos_token=SPECIAL_TOKENS[0], pad_token=SPECIAL_TOKENS[0], unk_token=None,
+                           eos_token=SPECIAL_TOKENS[2], pad_token=SPECIAL_TOKENS[0], unk_token=None,
                            extra_special_tokens=list(SPECIAL_TOKENS[1:]))
     tok.chat_template = CHATML_TEMPLATE
     return tok
@@ -151,14 +151,14 @@ def model_config(tokenizer: PreTrainedTokenizerFast) -> dict:
     ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(tok) for name, tok in (
         ("image", "<|image_pad|>"), ("video", "<|video_pad|>"), ("vision_start", "<|vision_start|>"),
         ("vision_end", "<|vision_end|>"))}
-    eos = tokenizer.eos_token_id
     text = {
         "model_type": "qwen3_5_text", "vocab_size": vocab, "hidden_size": 128, "num_hidden_layers": 4,
         "layer_types": ["linear_attention"] * 3 + ["full_attention"], "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 384, "linear_num_key_heads": 4,
         "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
         "linear_conv_kernel_dim": 4, "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 1024, "eos_token_id": eos, "pad_token_id": eos,
+        "max_position_embeddings": 1024, "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
         # 0.25 * 32 = 8 rotary dims -> 4 frequencies split [2, 1, 1] over (t, h, w)
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                             "mrope_section": [2, 1, 1], "mrope_interleaved": True},
@@ -190,7 +190,7 @@ def prepare_shapes(cache: str | Path | None = None, n_train: int = 6000, n_val: 
 
     root = Path(cache).expanduser() if cache else cache_dir() / "shapes"
     marker = root / ".complete"
-    args = json.dumps({"n_train": n_train, "n_val": n_val, "seed": seed})
+    args = json.dumps({"format": 2, "n_train": n_train, "n_val": n_val, "seed": seed})  # format: of this code
     if marker.exists() and marker.read_text() == args:
         return root
     marker.unlink(missing_ok=True)

@@ -19,23 +19,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..models.multimodal import open_images
 from .data import DataError, chat_tokens, read_records
 
 IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"
 IMAGE_BLOCK = VISION_START + IMAGE_PAD + VISION_END
 VISION_KEYS = ("pixel_values", "image_grid_thw")
-
-
-def _open_image(path: Path):
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as im:
-            return im.convert("RGB")
-    except FileNotFoundError:
-        raise DataError(f"image {path} does not exist (image paths are relative to their data file)") from None
-    except UnidentifiedImageError:
-        raise DataError(f"{path} is not an image PIL can read") from None
 
 
 def _flatten_chat(messages, base: Path) -> tuple[list[dict], list[Path]]:
@@ -100,7 +89,11 @@ class ImageTokenizer:
             raise DataError(f"a sample has {len(images)} images but {len(pads)} {IMAGE_PAD} tokens in its text")
         if not images:
             return ids, mask, None
-        out = self.image_processor(images=[_open_image(p) for p in images], return_tensors="pt")
+        try:
+            pil = open_images(images)
+        except ValueError as e:
+            raise DataError(f"{e} (image paths are relative to their data file)") from None
+        out = self.image_processor(images=pil, return_tensors="pt")
         grid = torch.as_tensor(out["image_grid_thw"])
         repeat = np.ones(len(ids), dtype=np.int64)
         repeat[pads] = (grid.prod(-1) // self.merge).numpy()

@@ -119,7 +119,7 @@ def test_scenes_vary_with_the_rng():
 
 def test_tokenizer_round_trip_one_token_per_word_and_fixed_special_ids(tok):
     assert tok.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == list(range(len(SPECIAL_TOKENS)))
-    assert tok.eos_token_id == tok.pad_token_id == 0
+    assert tok.pad_token_id == 0 and tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>") == 2
     rng = np.random.default_rng(0)
     for _ in range(20):
         text = render_scene(rng)[1]

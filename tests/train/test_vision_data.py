@@ -161,3 +161,39 @@ def test_bad_image_data_is_a_clear_error(shapes, tmp_path):
     cfg = config_from_dict(_raw(root, model_config, "unused", data={"seq_len": 40}))
     with pytest.raises(DataError, match="longer than data.seq_len = 40 .* raise data.seq_len"):
         build_data(cfg.data, processor.tokenizer, 2, processor)
+
+
+def test_pretraining_records_with_images(shapes, tmp_path):
+    """{"image", "text"} records: the image first, loss on the text (and EOS) only."""
+    root, model_config = shapes
+    rec = json.loads((root / "train.jsonl").read_text().splitlines()[0])
+    image, caption = rec["messages"][0]["content"][0]["image"], rec["messages"][1]["content"]
+    (tmp_path / "images").symlink_to(root / "images")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"image": image, "text": caption}) + "\n" +
+                                      json.dumps({"image": [image, image], "text": caption}) + "\n")
+    processor = load_processor(root / "model")
+    cfg = config_from_dict(_raw(root, model_config, "unused", data={"paths": [str(tmp_path / "p.jsonl")],
+                                                                     "mode": "pretrain", "val_docs": 0},
+                                train={"eval_every": 0}))
+    packed = build_data(cfg.data, processor.tokenizer, 2, processor)
+    tok = processor.tokenizer
+    (one, mask), (two, _) = packed.docs
+    assert len(two) - len(one) == 18  # a second image: start, 16 placeholders, end
+    assert tok.decode(one[mask]) == tok.decode(tok(caption)["input_ids"] + [tok.eos_token_id])
+    assert [v[1].tolist() for v in packed.vision] == [[[1, 8, 8]], [[1, 8, 8], [1, 8, 8]]]
+
+
+def test_mtp_only_on_images_trains_the_head_alone_with_the_same_loss(shapes, data):
+    packed, _ = data
+    _, model_config = shapes
+    torch.manual_seed(0)
+    model = mtpkit.add_mtp(mtpkit.build_model(json.loads(json.dumps(model_config)), vision=True), 1)
+    batch = packed.rows(0, 2)
+    mb = {"input_ids": batch["input_ids"], "segment_ids": batch["segment_ids"], **rows_vision(batch, 0, 2),
+          "labels": shift_labels(batch["input_ids"], batch["segment_ids"], batch["loss_mask"])}
+    full = compute_loss(model, mb, LossConfig(mtp_lambda=0.3))
+    only = compute_loss(model, mb, LossConfig(mtp_lambda=0.3, mtp_only=True))
+    assert abs(float(full.mtp_losses[0]) - float(only.mtp_losses[0])) <= 1e-5
+    model.zero_grad()
+    only.loss.backward()
+    assert all((p.grad is not None) == n.startswith("mtp.") for n, p in model.named_parameters())

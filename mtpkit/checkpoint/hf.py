@@ -273,7 +273,8 @@ def load_model(
     )
     if passthrough:
         logging.getLogger("mtpkit").info(
-            "%d vision tensors (model.visual.*) are not used by the text model; they are kept and saved back",
+            "%d vision tensors (model.visual.*) are kept and saved back but not run: load with vision=True for "
+            "images",
             len(passthrough),
         )
     return model

@@ -14,7 +14,7 @@ def test_inspect_released_layout(tmp_path, capsys):
     assert "qwen3_5_text (vlm layout)" in out
     assert "GDN x3, attn" in out
     assert "MTP weights: yes (1 layer" in out
-    assert "vision 0.04M (not used yet)" in out
+    assert "vision 0.04M (load with vision=True to use it)" in out
 
 
 def test_inspect_missing_path_is_one_line(tmp_path, capsys):

@@ -25,8 +25,8 @@ def main() -> None:
     processor = mtpkit.load_processor(args.model)
     tok = processor.tokenizer
     records = [json.loads(line) for line in (root / "val.jsonl").read_text().splitlines()]
-    prompts = [mtpkit.image_inputs(model, processor, PROMPT, open_images([root / r["messages"][0]["content"][0]["image"]]),
-                                   chat=True) for r in records]
+    images = [root / r["messages"][0]["content"][0]["image"] for r in records]
+    prompts = [mtpkit.image_inputs(model, processor, PROMPT, open_images([im]), chat=True) for im in images]
     truth = [r["messages"][1]["content"] for r in records]
     same = exact = 0
     totals = {"verification_steps": 0, "accepted": 0, "drafted": 0}

@@ -125,7 +125,8 @@ def step(model, cache, last, pos, delta, m, top: int, k: int, head: DraftHead, p
     """One speculative step for every row: draft k tokens, verify [last, drafts] in one trunk forward, accept,
     roll the GDN state back to the last accepted token, and run the MTP over the accepted rows.
     last, pos [B]: the last sampled token and its cache slot (not yet in the cache); delta [B]: its rope position
-    - slot; m [B, H]: the MTP's output at slot pos-1; top = max(pos). Returns accepted counts n [B], tokens [B, k+1] (first n+1 emitted) and the next m."""
+    - slot; m [B, H]: the MTP's output at slot pos-1; top = max(pos). Returns accepted counts n [B], tokens
+    [B, k+1] (first n+1 emitted) and the next m."""
     drafts, q = draft(model, cache, m, pos, delta, top, k, head, generator)
     slots = pos[:, None] + torch.arange(k + 1, device=pos.device)
     cache.keep_history(True)

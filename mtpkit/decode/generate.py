@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.vlm import VISION_INPUTS
 from . import speculative as spec
 from .cache import Cache
 from .cpu_matmul import thin_matmuls
@@ -35,9 +36,6 @@ class GenerateResult:
     accept_lengths: list[list[int]]  # per row, speculative only: tokens kept from each verification step
 
 
-_VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids")
-
-
 def _prompt_rows(prompts, vocab_size: int) -> tuple[list[list[int]], list[dict]]:
     """Token id rows and, per row, its vision inputs ({} for a text prompt). A prompt is a row of ids, or a dict
     as `mtpkit.image_inputs` returns it: input_ids [1, T] plus pixel values and grids."""
@@ -49,7 +47,7 @@ def _prompt_rows(prompts, vocab_size: int) -> tuple[list[list[int]], list[dict]]
     for p in prompts:
         extra = {}
         if isinstance(p, dict):
-            extra = {k: p[k] for k in _VISION_KEYS if p.get(k) is not None}
+            extra = {k: p[k] for k in VISION_INPUTS if p.get(k) is not None}
             p = torch.as_tensor(p["input_ids"]).flatten().tolist()
         rows.append(list(map(int, p)))
         vision.append(extra)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .vlm import VisionLanguageModel
+from .vlm import VISION_INPUTS, VisionLanguageModel
 
 _PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 _IMAGE_PAD, _VISION_START, _VISION_END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
@@ -81,7 +81,7 @@ def image_inputs(model, processor, prompt: str, images=(), chat: bool = False) -
         prompt = processor.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                          add_generation_prompt=True)
     out = processor(text=prompt, images=images or None, return_tensors="pt")
-    keys = ("input_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+    keys = ("input_ids", *VISION_INPUTS)
     return {k: torch.as_tensor(out[k]) for k in keys if k in out and out[k] is not None}
 
 

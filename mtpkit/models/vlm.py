@@ -18,6 +18,10 @@ from .transformer import CausalLM, Inputs, ModelOutput
 from .vision import VisionConfig, VisionModel, check_grid, vision_config_from_hf
 
 
+# the keyword inputs a forward takes besides input_ids, as the HF processors name them
+VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids")
+
+
 @dataclass(frozen=True)
 class VisionTokens:
     image_token_id: int

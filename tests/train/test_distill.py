@@ -1,4 +1,5 @@
-"""Self-distillation data: prompts from the standard library, records that replay the model's own greedy output."""
+"""Self-distillation data: generated prompts (everyday topics and the standard library) that never touch the
+benchmark's, and records that replay the model's own greedy output."""
 
 import json
 
@@ -6,7 +7,8 @@ import torch
 from tiny_models import hf_model, save_hf
 
 import mtpkit
-from mtpkit.train.distill import distill, stdlib_prompts
+from mtpkit.bench.speedup import DEFAULT_PROMPTS, read_prompts, resource
+from mtpkit.train.distill import _TOPICS, distill, mixed_prompts, stdlib_prompts
 
 
 class _CharTokenizer:
@@ -25,6 +27,17 @@ def test_stdlib_prompts_are_deterministic_and_mixed():
     kinds = {p["kind"] for p in a}
     assert kinds == {"prose", "chat", "code"}
     assert all(p["chat"] == (p["kind"] == "chat") and p["prompt"].strip() for p in a)
+
+
+def test_mixed_prompts_cover_the_benchmarks_kinds_but_not_its_prompts():
+    prompts = mixed_prompts(2000, seed=0)
+    assert prompts == mixed_prompts(2000, seed=0)
+    counts = {k: sum(p["kind"] == k for p in prompts) for k in ("chat", "prose", "list", "code")}
+    assert all(n >= 100 for n in counts.values()), counts
+    bench = read_prompts(resource(DEFAULT_PROMPTS))
+    assert not {p.text for p in bench} & {p["prompt"] for p in prompts}
+    # no topic of the distillation set is named in a benchmark prompt
+    assert not [t for t in _TOPICS for b in bench if t.lower() in b.text.lower()]
 
 
 def test_distill_records_are_the_models_greedy_output(tmp_path):

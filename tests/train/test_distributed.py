@@ -64,3 +64,29 @@ def test_fsdp2_mtp_only_with_activation_checkpointing_matches_one_rank(tmp_path)
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert one[-1]["loss"] < one[0]["loss"]
     _close(one, two)
+
+
+def test_fsdp2_on_image_data_matches_one_rank(tmp_path):
+    """A vision-language model on image chats: each rank takes its rows' images, the tower trains under FSDP2."""
+    import json
+
+    from mtpkit.cli import main
+    from mtpkit.train.shapes import prepare_shapes
+
+    root = prepare_shapes(tmp_path / "shapes", n_train=40, n_val=1, seed=2)
+    model = json.loads((root / "model" / "config.json").read_text())
+    model["text_config"].update(hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=2,
+                                num_key_value_heads=1, layer_types=["linear_attention", "full_attention"],
+                                linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+                                linear_value_head_dim=16)
+    model["vision_config"].update(depth=1, out_hidden_size=32)
+    raw = {"model": {"config": model, "tokenizer": str(root / "model")},
+           "mtp": {"depth": 1, "init": "random", "mtp_lambda": 0.3},
+           "data": {"paths": [str(root / "train.jsonl")], "mode": "sft", "images": True, "seq_len": 192},
+           "train": {"steps": 3, "batch_size": 4}, "optim": {"lr": 3e-3}, "log": {"progress": False}}
+    cfg = write_toml(tmp_path / "cfg.toml", raw)
+    assert main(["train", str(cfg), f"--train.run_dir={tmp_path / 'one'}"]) == 0
+    _torchrun(["train", str(cfg), f"--train.run_dir={tmp_path / 'two'}", "--train.micro_batch_size=1"], tmp_path)
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert one[-1]["loss"] < one[0]["loss"]
+    _close(one, two)

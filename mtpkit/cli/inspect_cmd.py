@@ -70,7 +70,8 @@ def run(args) -> int:
         ("mlp", s["moe"]),
         ("hidden / vocab", f"{s['hidden']} / {s['vocab']}" + (" (tied embeddings)" if s["tied_embeddings"] else "")),
         ("params", f"trunk {s['params_trunk'] / 1e6:.2f}M, MTP {s['params_mtp'] / 1e6:.2f}M, "
-                   f"vision {s['params_vision'] / 1e6:.2f}M (load with vision=True to use it)" if s["params_vision"] else
+                   f"vision {s['params_vision'] / 1e6:.2f}M (load with vision=True to use it)"
+                   if s["params_vision"] else
                    f"trunk {s['params_trunk'] / 1e6:.2f}M, MTP {s['params_mtp'] / 1e6:.2f}M"),
         ("dtype", s["dtype"]),
         ("MTP weights", mtp),

@@ -14,7 +14,8 @@ import torch
 from .vlm import VISION_INPUTS, VisionLanguageModel
 
 _PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
-_IMAGE_PAD, _VISION_START, _VISION_END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
+IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"
+IMAGE_BLOCK = VISION_START + IMAGE_PAD + VISION_END  # one image in a prompt, before the per-patch expansion
 
 
 class _ImageOnlyProcessor:
@@ -28,9 +29,9 @@ class _ImageOnlyProcessor:
         if images:
             out = dict(self.image_processor(images=images, return_tensors="pt"))
             merge = self.image_processor.merge_size ** 2
-            parts = text.split(_IMAGE_PAD)
+            parts = text.split(IMAGE_PAD)
             counts = (out["image_grid_thw"].prod(-1) // merge).tolist()
-            text = parts[0] + "".join(_IMAGE_PAD * n + rest for n, rest in zip(counts, parts[1:]))
+            text = parts[0] + "".join(IMAGE_PAD * n + rest for n, rest in zip(counts, parts[1:]))
         out["input_ids"] = self.tokenizer(text, return_tensors="pt")["input_ids"]
         return out
 
@@ -71,10 +72,10 @@ def image_inputs(model, processor, prompt: str, images=(), chat: bool = False) -
             "mtpkit.load_model(path, vision=True)"
         )
     images = list(images)
-    missing = len(images) - prompt.count(_IMAGE_PAD)
+    missing = len(images) - prompt.count(IMAGE_PAD)
     if missing < 0:
-        raise ValueError(f"the prompt has {prompt.count(_IMAGE_PAD)} image placeholders but {len(images)} images")
-    prompt = (_VISION_START + _IMAGE_PAD + _VISION_END) * missing + prompt
+        raise ValueError(f"the prompt has {prompt.count(IMAGE_PAD)} image placeholders but {len(images)} images")
+    prompt = IMAGE_BLOCK * missing + prompt
     if chat:
         if not getattr(processor.tokenizer, "chat_template", None):
             raise ValueError("chat prompts need a tokenizer with a chat template; this one has none")

@@ -19,11 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..models.multimodal import open_images
+from ..models.multimodal import IMAGE_BLOCK, IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, open_images
 from .data import DataError, chat_tokens, read_records
 
-IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"
-IMAGE_BLOCK = VISION_START + IMAGE_PAD + VISION_END
 VISION_KEYS = ("pixel_values", "image_grid_thw")
 
 
@@ -133,7 +131,8 @@ def rows_vision(batch: dict, start: int, stop: int) -> dict[str, torch.Tensor]:
     keep = (rows >= start) & (rows < stop)
     if not bool(keep.any()):
         return {}
-    first, last = int(keep.nonzero()[0]), int(keep.nonzero()[-1]) + 1
+    idx = keep.nonzero()[:, 0]
+    first, last = int(idx[0]), int(idx[-1]) + 1
     offsets = torch.cat([grid.new_zeros(1), grid.prod(-1).cumsum(0)]).tolist()
     return {"pixel_values": batch["pixel_values"][offsets[first] : offsets[last]],
             "image_grid_thw": grid[first:last]}

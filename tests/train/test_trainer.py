@@ -271,4 +271,7 @@ def test_depth_zero_is_plain_next_token_training(tmp_path):
                                   checkpoint={"every": 0, "save_final": False}))
     assert trainer.model.mtp is None
     summary = trainer.fit()
-    assert summary["last"]["mtp_loss"] == [] and summary["last"]["loss"] == summary["last"]["main_loss"]
+    # the objective is normalised by global token counts and the reported main loss by local ones: equal only
+    # to rounding, so compare with a tolerance (bitwise equality held on one machine and failed on another)
+    assert summary["last"]["mtp_loss"] == []
+    assert summary["last"]["loss"] == pytest.approx(summary["last"]["main_loss"], rel=1e-6)

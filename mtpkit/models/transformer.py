@@ -120,13 +120,15 @@ class CausalLM(nn.Module):
         return_logits: bool = True,
         deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
         kv_len: int | None = None,
+        detach_trunk: bool = False,
     ) -> ModelOutput:
         """input_ids [B, T] (or inputs_embeds [B, T, H]); positions [B, T] or MRoPE [3, B, T]; segment_ids [B, T]
         for packed documents. `mtp=True` adds teacher-forced MTP outputs for depths 1..D (`mtp=n`: n chained
         depths, reusing the last MTP layer beyond D). With `return_logits=False` only hidden states are
         returned, so a trainer can compute the loss in chunks. `deepstack` = (visual mask [B, T], list of
         [N_visual, H]): Qwen3-VL adds entry i to the visual positions after decoder layer i. With a cache,
-        `kv_len` = max(cache_positions) + 1 (or more) saves computing it on the host."""
+        `kv_len` = max(cache_positions) + 1 (or more) saves computing it on the host. `detach_trunk=True`: the MTP
+        reads the embeddings, hidden states and lm_head detached, so its outputs send no gradient into the trunk."""
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         B, T, _ = x.shape
         if positions is None:
@@ -153,9 +155,11 @@ class CausalLM(nn.Module):
             if cache is not None:
                 raise ValueError("teacher-forced MTP outputs are computed without a cache")
             depths = self.config.mtp_num_hidden_layers if mtp is True else int(mtp)
-            out.mtp_hidden = self.mtp_teacher_forced(x, hidden, positions, segment_ids, depths)
+            embeds, trunk = (x.detach(), hidden.detach()) if detach_trunk else (x, hidden)
+            out.mtp_hidden = self.mtp_teacher_forced(embeds, trunk, positions, segment_ids, depths)
             if return_logits:
-                out.mtp_logits = [self.logits(m) for m in out.mtp_hidden]
+                head = (lambda m: F.linear(m, self.output_weight.detach())) if detach_trunk else self.logits
+                out.mtp_logits = [head(m) for m in out.mtp_hidden]
         return out
 
     def mtp_teacher_forced(self, embeds, hidden, positions, segment_ids, depths: int) -> list[torch.Tensor]:

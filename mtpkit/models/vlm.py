@@ -144,6 +144,7 @@ class VisionLanguageModel(CausalLM):
         return_logits: bool = True,
         deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
         kv_len: int | None = None,
+        detach_trunk: bool = False,
     ) -> ModelOutput:
         """As `CausalLM.forward`, plus patches from the HF processor: pixel_values [N, C*T*p*p] with
         image_grid_thw [n, 3] (and the same for videos). Without `positions`, the 3-D MRoPE positions are
@@ -166,4 +167,5 @@ class VisionLanguageModel(CausalLM):
         return super().forward(
             inputs_embeds=inputs_embeds, positions=positions, segment_ids=segment_ids, cache=cache,
             cache_positions=cache_positions, mtp=mtp, return_logits=return_logits, deepstack=deepstack, kv_len=kv_len,
+            detach_trunk=detach_trunk,
         )

@@ -35,6 +35,7 @@ class MTPSection:
     layers: int = 0  # MTP decoder layers of a new head (0: = depth); depths beyond them reuse the last layer
     init: str = "checkpoint"  # "checkpoint" (the model's own head) | "random" | "last_layer" (copy trunk's last layer)
     only: bool = False  # MTP-only: trunk, embedding and lm_head frozen; only mtp.* is trained
+    detach_trunk: bool = False  # joint, isolated: the trunk learns from the main loss only, mtp.* from the MTP loss
     mtp_lambda: float = 0.1  # total MTP weight; depth d gets mtp_lambda / D unless `weights` is given
     weights: list[float] | None = None  # explicit per-depth weights, e.g. [0.51, 0.31, 0.18]
     lambda_schedule: list[list[float]] | None = None  # [[step, lambda], ...]: lambda from that step on
@@ -256,6 +257,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigKeyError(f"mtp.depth must be >= 0, not {cfg.mtp.depth}")
     if cfg.mtp.only and cfg.mtp.depth == 0:
         raise ConfigKeyError("mtp.only needs mtp.depth >= 1")
+    if cfg.mtp.detach_trunk and (cfg.mtp.only or cfg.mtp.depth == 0):
+        raise ConfigKeyError("mtp.detach_trunk needs mtp.depth >= 1 and mtp.only = false (mtp.only freezes the trunk)")
     if cfg.mtp.weights is not None and len(cfg.mtp.weights) != cfg.mtp.depth:
         raise ConfigKeyError(f"mtp.weights has {len(cfg.mtp.weights)} entries but mtp.depth is {cfg.mtp.depth}")
     for name in ("lambda_schedule", "depth_curriculum"):

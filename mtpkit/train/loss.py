@@ -71,11 +71,17 @@ class LossConfig:
     # chained depths (default: len(mtp_weights), else the model's MTP layers); beyond D the last layer is reused
     mtp_depths: int | None = None
     mtp_only: bool = False  # only mtp.* trains; trunk, embedding and lm_head get no gradient
+    # joint training, isolated: the trunk learns from the main CE only, mtp.* from the MTP CE only (the MTP reads
+    # the embeddings, hidden states and lm_head detached; Megatron-LM's `mtp_isolated_loss`)
+    detach_trunk: bool = False
     ce_chunk_tokens: int = 2048  # CE over chunks of this many tokens
 
     def __post_init__(self):
         if self.mtp_lambda < 0:
             raise ValueError(f"mtp_lambda must be >= 0, not {self.mtp_lambda}")
+        if self.mtp_only and self.detach_trunk:
+            raise ValueError("mtp_only already keeps the MTP gradient out of a frozen trunk: set mtp_only or "
+                             "detach_trunk, not both")
         if self.mtp_weights is not None and (not self.mtp_weights or min(self.mtp_weights) < 0):
             raise ValueError(f"mtp_weights must be a non-empty list of weights >= 0, not {self.mtp_weights}")
         if self.mtp_weights is not None and self.lambda_schedule is not None:
@@ -142,12 +148,13 @@ def freeze_trunk(model):
     return model
 
 
-def _hidden_states(model, batch: dict, n: int, mtp_only: bool) -> tuple[Tensor, list[Tensor]]:
+def _hidden_states(model, batch: dict, n: int, cfg: LossConfig) -> tuple[Tensor, list[Tensor]]:
     """The trunk's post-norm hidden [B, T, H] and depth d's MTP output [B, T-d, H] for d = 1..n."""
     ids, seg, pos = batch["input_ids"], batch.get("segment_ids"), batch.get("positions")
     vision = {k: batch[k] for k in VISION_KEYS if k in batch}  # image patches: a vision-language model
-    if not mtp_only:
-        out = model(ids, positions=pos, segment_ids=seg, mtp=n or False, return_logits=False, **vision)
+    if not cfg.mtp_only:
+        out = model(ids, positions=pos, segment_ids=seg, mtp=n or False, return_logits=False,
+                    detach_trunk=cfg.detach_trunk, **vision)
         return out.hidden, out.mtp_hidden or []
     if n == 0:
         raise ValueError("mtp_only training needs an MTP module: add one with mtpkit.add_mtp(model)")
@@ -169,14 +176,16 @@ def compute_loss(model, batch: dict, cfg: LossConfig, step: int = 0, token_count
     (FSDP2/DDP average over ranks by default: scale by the world size or set the divide factor to 1).
     """
     weights = depth_weights(cfg, step, model.config.mtp_num_hidden_layers)
-    hidden, mtp_hidden = _hidden_states(model, batch, len(weights), cfg.mtp_only)
-    # MTP-only: lm_head serves the MTP CE as a constant, so it gets no gradient even if left trainable
-    weight = model.output_weight.detach() if cfg.mtp_only else model.output_weight
+    hidden, mtp_hidden = _hidden_states(model, batch, len(weights), cfg)
+    # MTP-only: lm_head serves every CE as a constant, so it gets no gradient even if left trainable;
+    # detach_trunk: only the MTP CEs read it as a constant (with tied embeddings it is the embedding too)
+    main_weight = model.output_weight.detach() if cfg.mtp_only else model.output_weight
+    mtp_weight = model.output_weight.detach() if cfg.mtp_only or cfg.detach_trunk else model.output_weight
     global_counts = None if token_counts is None else [token_counts["main"], *token_counts["mtp"]]
     terms, sums, valid, correct = [], [], [], []
     for d, (h, t) in enumerate(zip([hidden, *mtp_hidden], _targets(batch, len(weights)))):
         loss_sum, n_valid, n_correct = chunked_cross_entropy(
-            h.reshape(-1, h.shape[-1]), weight, t.reshape(-1), cfg.ce_chunk_tokens, IGNORE
+            h.reshape(-1, h.shape[-1]), mtp_weight if d else main_weight, t.reshape(-1), cfg.ce_chunk_tokens, IGNORE
         )
         norm = n_valid.clamp(min=1) if global_counts is None else max(global_counts[d], 1)
         terms.append(loss_sum / norm)

@@ -98,7 +98,7 @@ def loss_config(cfg: TrainConfig) -> LossConfig:
     m = cfg.mtp
     return LossConfig(mtp_lambda=m.mtp_lambda, mtp_weights=m.weights, lambda_schedule=m.lambda_schedule,
                       depth_curriculum=m.depth_curriculum, mtp_depths=m.depth or None, mtp_only=m.only,
-                      ce_chunk_tokens=m.ce_chunk_tokens)
+                      detach_trunk=m.detach_trunk, ce_chunk_tokens=m.ce_chunk_tokens)
 
 
 def tokenizer_path(cfg: TrainConfig) -> str:

@@ -15,6 +15,7 @@ COMMANDS = {
     "export": "export_cmd",
     "plot": "plot_cmd",
     "distill": "distill_cmd",
+    "features": "features_cmd",
     "bench": "bench_cmd",
 }
 

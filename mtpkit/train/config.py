@@ -41,6 +41,10 @@ class MTPSection:
     lambda_schedule: list[list[float]] | None = None  # [[step, lambda], ...]: lambda from that step on
     depth_curriculum: list[list[int]] | None = None  # [[step, depths], ...]: number of trained depths from that step on
     ce_chunk_tokens: int = 2048  # cross-entropy chunk: logits of at most this many tokens exist at once
+    # "hard": CE on the data's tokens | "soft": CE against the trunk's stored top-k distribution at the target
+    # (the rest of its mass as one bucket; EAGLE-3 / Medusa-2 self-distillation), needs data.mode = "features"
+    head_loss: str = "hard"
+    draft_vocab: int = 0  # MTP CE over the N most frequent target ids of the training data (FR-Spec); 0: all
 
 
 @dataclass
@@ -48,8 +52,10 @@ class DataSection:
     paths: list[str] = field(default_factory=list)  # files or directories (.txt, .jsonl, .parquet)
     format: str = "auto"  # "auto" (by extension) | "text" | "jsonl" | "parquet"
     # "pretrain" (loss on every token) | "sft" (chat `messages`, assistant-only loss) | "tokens" (pre-tokenized
-    # `input_ids` with an optional 0/1 `loss_mask` per token, as `mtpkit distill` writes)
+    # `input_ids` with an optional 0/1 `loss_mask` per token, as `mtpkit distill` writes) | "features" (the
+    # trunk's stored hidden states from `mtpkit features`, for mtp.only training without the trunk)
     mode: str = "pretrain"
+    features: str | None = None  # data.mode = "features": the directory `mtpkit features --out` wrote
     text_field: str = "text"  # JSONL/Parquet column holding the text (pretrain)
     messages_field: str = "messages"  # JSONL/Parquet column holding chat messages (sft)
     text_split: str = "file"  # plain text: one document per "file" | "paragraph" (blank line) | "line"
@@ -135,7 +141,8 @@ _SECTION_TYPES = {f.name: type(f.default_factory()) for f in dataclasses.fields(
 _CHOICES = {
     ("mtp", "init"): ("checkpoint", "random", "last_layer"),
     ("data", "format"): ("auto", "text", "jsonl", "parquet"),
-    ("data", "mode"): ("pretrain", "sft", "tokens"),
+    ("data", "mode"): ("pretrain", "sft", "tokens", "features"),
+    ("mtp", "head_loss"): ("hard", "soft"),
     ("data", "text_split"): ("file", "paragraph", "line"),
     ("train", "autocast"): ("auto", "bf16", "fp32"),
     ("train", "device"): ("auto", "cpu", "cuda"),
@@ -280,6 +287,15 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigKeyError("optim.warmup_steps and checkpoint.every must be >= 0, checkpoint.keep >= 1")
     if cfg.data.images and cfg.data.mode == "tokens":
         raise ConfigKeyError("data.images needs data.mode = 'pretrain' or 'sft' (pre-tokenized data has no images)")
+    if (cfg.data.mode == "features") != (cfg.data.features is not None):
+        raise ConfigKeyError("data.mode = 'features' and data.features = DIR (from `mtpkit features`) go together")
+    if cfg.data.mode == "features" and not cfg.mtp.only:
+        raise ConfigKeyError("data.mode = 'features' trains the MTP head alone on a frozen trunk: set mtp.only = true")
+    if cfg.mtp.head_loss == "soft" and cfg.data.mode != "features":
+        raise ConfigKeyError("mtp.head_loss = 'soft' needs the trunk's stored top-k: data.mode = 'features' with "
+                             "features built by `mtpkit features --topk K`")
+    if cfg.mtp.draft_vocab < 0:
+        raise ConfigKeyError(f"mtp.draft_vocab must be >= 0 (0: the full vocabulary), not {cfg.mtp.draft_vocab}")
     if cfg.train.eval_every and not cfg.data.val_docs:
         raise ConfigKeyError("train.eval_every needs held-out documents: set data.val_docs")
     if cfg.log.every < 1:

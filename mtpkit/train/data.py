@@ -298,6 +298,10 @@ class PackedData:
             self._epoch, self._packed = e, p
         return self._packed
 
+    def target_ids(self) -> np.ndarray:
+        """Every token that is a training target (loss mask on), for counting frequent ids (mtp.draft_vocab)."""
+        return np.concatenate([d if m is None else d[m] for d, m in self.docs])
+
     def rows(self, start: int, n: int) -> dict[str, torch.Tensor]:
         """Rows start .. start+n-1 of the endless stream, as tensors [n, T]."""
         parts = {"input_ids": [], "segment_ids": [], "loss_mask": []}
@@ -354,7 +358,40 @@ class DataLoader:
 def build_data(cfg_data, tokenizer, mtp_depth: int, processor=None) -> PackedData:
     """DataSection + tokenizer -> PackedData (documents shorter than mtp_depth + 2 tokens are dropped); with
     data.val_docs, that many documents are held out in `.val` (packed in order, never trained on). With
-    data.images, records carry images (see `mtpkit.train.vision_data`) and `processor` is the checkpoint's."""
+    data.images, records carry images (see `mtpkit.train.vision_data`) and `processor` is the checkpoint's.
+    data.mode = "features" reads the records of a features directory instead (`mtpkit.train.features`)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    make, common = PackedData, dict(pad_id=pad, min_doc_tokens=mtp_depth + 2)
+    if cfg_data.mode == "features":
+        from .features import FeatureStore, FeaturesData
+
+        store = FeatureStore(cfg_data.features)
+        docs, vision, files = store.documents(), None, [store.root]
+        make, common = FeaturesData, dict(store=store, pad_token=pad, min_doc_tokens=mtp_depth + 2)
+    else:
+        docs, vision, files = _read_documents(cfg_data, tokenizer, processor)
+    if not docs:
+        names = ", ".join(str(f) for f in files[:4]) + (" ..." if len(files) > 4 else "")
+        raise DataError(f"no documents in the training data ({names}): the files are empty")
+    val = None
+    if cfg_data.val_docs:
+        if cfg_data.val_docs >= len(docs):
+            raise DataError(f"data.val_docs = {cfg_data.val_docs} leaves no training document (there are {len(docs)})")
+        held = set(np.random.default_rng([cfg_data.seed, 999]).permutation(len(docs))[: cfg_data.val_docs].tolist())
+        split = [i in held for i in range(len(docs))]
+        pick = lambda xs, side: None if xs is None else [x for x, s in zip(xs, split) if s == side]  # noqa: E731
+        val = make(pick(docs, True), cfg_data.seq_len, shuffle=False, vision=pick(vision, True), **common)
+        docs, vision = pick(docs, False), pick(vision, False)
+    data = make(docs, cfg_data.seq_len, seed=cfg_data.seed, shuffle=cfg_data.shuffle, vision=vision, **common)
+    data.val = val
+    logger.info("data: %d documents, %d tokens, %d rows of %d per epoch%s", len(data.docs), data.num_tokens,
+                data.rows_per_epoch, cfg_data.seq_len,
+                f"; held out: {len(val.docs)} documents, {val.num_tokens} tokens" if val else "")
+    return data
+
+
+def _read_documents(cfg_data, tokenizer, processor) -> tuple[list, list | None, list[Path]]:
+    """The documents of data.paths: (ids, loss mask) each, their images (data.images) or None, and the files."""
     files = list_files(cfg_data.paths, cfg_data.format)
     field = {"sft": cfg_data.messages_field, "tokens": "input_ids"}.get(cfg_data.mode, cfg_data.text_field)
     vision = None
@@ -367,26 +404,7 @@ def build_data(cfg_data, tokenizer, mtp_depth: int, processor=None) -> PackedDat
     else:
         raw = read_records(files, cfg_data.format, field, cfg_data.text_split, whole=cfg_data.mode == "tokens")
         docs = tokenize_documents(raw, tokenizer, cfg_data.mode, cfg_data.add_bos, cfg_data.add_eos) if raw else []
-    if not docs:
-        names = ", ".join(str(f) for f in files[:4]) + (" ..." if len(files) > 4 else "")
-        raise DataError(f"no documents in the training data ({names}): the files are empty")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    common = dict(pad_id=pad, min_doc_tokens=mtp_depth + 2)
-    val = None
-    if cfg_data.val_docs:
-        if cfg_data.val_docs >= len(docs):
-            raise DataError(f"data.val_docs = {cfg_data.val_docs} leaves no training document (there are {len(docs)})")
-        held = set(np.random.default_rng([cfg_data.seed, 999]).permutation(len(docs))[: cfg_data.val_docs].tolist())
-        split = [i in held for i in range(len(docs))]
-        pick = lambda xs, side: None if xs is None else [x for x, s in zip(xs, split) if s == side]  # noqa: E731
-        val = PackedData(pick(docs, True), cfg_data.seq_len, shuffle=False, vision=pick(vision, True), **common)
-        docs, vision = pick(docs, False), pick(vision, False)
-    data = PackedData(docs, cfg_data.seq_len, seed=cfg_data.seed, shuffle=cfg_data.shuffle, vision=vision, **common)
-    data.val = val
-    logger.info("data: %d documents, %d tokens, %d rows of %d per epoch%s", len(data.docs), data.num_tokens,
-                data.rows_per_epoch, cfg_data.seq_len,
-                f"; held out: {len(val.docs)} documents, {val.num_tokens} tokens" if val else "")
-    return data
+    return docs, vision, files
 
 
 # ------------------------------------------------------------------------------------------- a small BPE tokenizer

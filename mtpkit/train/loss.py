@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..models.transformer import default_positions
 from .chunked_ce import chunked_cross_entropy
+from .soft_ce import chunked_soft_cross_entropy
 from .vision_data import VISION_KEYS
 
 IGNORE = -100
@@ -75,6 +77,8 @@ class LossConfig:
     # the embeddings, hidden states and lm_head detached; Megatron-LM's `mtp_isolated_loss`)
     detach_trunk: bool = False
     ce_chunk_tokens: int = 2048  # CE over chunks of this many tokens
+    head_loss: str = "hard"  # MTP depths: "hard" CE on the tokens | "soft" CE on the batch's stored trunk top-k
+    draft_vocab: Tensor | None = None  # sorted ids: MTP CE over these columns only (FR-Spec at training time)
 
     def __post_init__(self):
         if self.mtp_lambda < 0:
@@ -101,6 +105,8 @@ class LossConfig:
                 raise ValueError(f"mtp_weights has {len(self.mtp_weights)} weights for {most} depths")
         if self.ce_chunk_tokens < 1:
             raise ValueError(f"ce_chunk_tokens must be >= 1, not {self.ce_chunk_tokens}")
+        if self.head_loss not in ("hard", "soft"):
+            raise ValueError(f"head_loss must be 'hard' or 'soft', not {self.head_loss!r}")
 
 
 def depth_weights(cfg: LossConfig, step: int, model_depth: int) -> list[float]:
@@ -151,6 +157,12 @@ def freeze_trunk(model):
 def _hidden_states(model, batch: dict, n: int, cfg: LossConfig) -> tuple[Tensor, list[Tensor]]:
     """The trunk's post-norm hidden [B, T, H] and depth d's MTP output [B, T-d, H] for d = 1..n."""
     ids, seg, pos = batch["input_ids"], batch.get("segment_ids"), batch.get("positions")
+    if "hidden" in batch:  # the trunk's stored hidden states (data.mode = "features"): the trunk does not run
+        with torch.no_grad():
+            embeds = model.embed(ids)
+        hidden = batch["hidden"].to(embeds.dtype)
+        pos = default_positions(ids, seg) if pos is None else pos
+        return hidden, model.mtp_teacher_forced(embeds, hidden, pos, seg, n)
     vision = {k: batch[k] for k in VISION_KEYS if k in batch}  # image patches: a vision-language model
     if not cfg.mtp_only:
         out = model(ids, positions=pos, segment_ids=seg, mtp=n or False, return_logits=False,
@@ -164,6 +176,42 @@ def _hidden_states(model, batch: dict, n: int, cfg: LossConfig) -> tuple[Tensor,
         hidden = model(inputs_embeds=inputs.embeds, positions=pos, segment_ids=seg, deepstack=inputs.deepstack,
                        return_logits=False).hidden
     return hidden, model.mtp_teacher_forced(inputs.embeds, hidden, pos, seg, n)
+
+
+def _depth_ce(h: Tensor, t: Tensor, depth: int, batch: dict, weight: Tensor, cfg: LossConfig,
+              remap: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(CE sum, valid targets, correct top-1) of one depth's rows h [B, T-d, H] against t [B, T-d]. MTP depths: a
+    hard CE on t or, with head_loss = "soft", a soft CE on the trunk's stored top-k at the target (row i + d);
+    with a draft vocabulary (remap: id -> its column, -1 outside), over its columns only: a target outside it
+    adds no loss (nothing can score it) but stays a valid target that counts as wrong."""
+    h, t = h.reshape(-1, h.shape[-1]), t.reshape(-1)
+    valid = t != IGNORE
+    cols = t
+    if depth and remap is not None:
+        weight = weight[cfg.draft_vocab]
+        inside = torch.where(valid, remap[t.clamp(min=0)], -1)
+        cols = torch.where(inside >= 0, inside, IGNORE)
+    if depth and cfg.head_loss == "soft":
+        if "topk_ids" not in batch:
+            raise ValueError("mtp.head_loss = 'soft' needs the trunk's top-k: rebuild the features with "
+                             "`mtpkit features --topk K`")
+        k = batch["topk_ids"].shape[-1]
+        ids, logprobs = batch["topk_ids"][:, depth:].reshape(-1, k), batch["topk_logprobs"][:, depth:].reshape(-1, k)
+        if remap is not None:
+            ids = remap[ids]
+        loss_sum, argmax = chunked_soft_cross_entropy(h, weight, ids, logprobs, valid, cfg.ce_chunk_tokens)
+        return loss_sum, valid.sum(), ((argmax == cols) & (cols != IGNORE)).sum()
+    loss_sum, _, n_correct = chunked_cross_entropy(h, weight, cols, cfg.ce_chunk_tokens, IGNORE)
+    return loss_sum, valid.sum(), n_correct
+
+
+def _remap(vocab: Tensor | None, size: int, device) -> Tensor | None:
+    """[size] table: id -> its column in the draft vocabulary, -1 outside it (None: no draft vocabulary)."""
+    if vocab is None:
+        return None
+    vocab = vocab.to(device)
+    return torch.full((size,), -1, dtype=torch.long, device=device).index_copy_(
+        0, vocab, torch.arange(len(vocab), device=device))
 
 
 def compute_loss(model, batch: dict, cfg: LossConfig, step: int = 0, token_counts: dict | None = None) -> LossOutput:
@@ -182,11 +230,12 @@ def compute_loss(model, batch: dict, cfg: LossConfig, step: int = 0, token_count
     main_weight = model.output_weight.detach() if cfg.mtp_only else model.output_weight
     mtp_weight = model.output_weight.detach() if cfg.mtp_only or cfg.detach_trunk else model.output_weight
     global_counts = None if token_counts is None else [token_counts["main"], *token_counts["mtp"]]
+    if cfg.draft_vocab is not None:
+        cfg.draft_vocab = cfg.draft_vocab.to(mtp_weight.device)
+    remap = _remap(cfg.draft_vocab, mtp_weight.shape[0], mtp_weight.device)
     terms, sums, valid, correct = [], [], [], []
     for d, (h, t) in enumerate(zip([hidden, *mtp_hidden], _targets(batch, len(weights)))):
-        loss_sum, n_valid, n_correct = chunked_cross_entropy(
-            h.reshape(-1, h.shape[-1]), mtp_weight if d else main_weight, t.reshape(-1), cfg.ce_chunk_tokens, IGNORE
-        )
+        loss_sum, n_valid, n_correct = _depth_ce(h, t, d, batch, mtp_weight if d else main_weight, cfg, remap)
         norm = n_valid.clamp(min=1) if global_counts is None else max(global_counts[d], 1)
         terms.append(loss_sum / norm)
         sums.append(loss_sum.detach())
@@ -200,3 +249,13 @@ def compute_loss(model, batch: dict, cfg: LossConfig, step: int = 0, token_count
     means = [s / max(n, 1) for s, n in zip(sums, valid_n)]
     accuracy = [c / max(n, 1) for c, n in zip(correct_n, valid_n)]
     return LossOutput(loss, means[0], means[1:], accuracy[1:], valid_n[0], valid_n[1:])
+
+
+def tau_sim(accuracy: list[float]) -> float:
+    """Simulated mean acceptance length 1 + sum_k prod_{j<=k} acc_j from teacher-forced per-depth accuracies
+    (NeMo AutoModel's training-time estimate): depth k's draft is kept only if every earlier one was."""
+    total, run = 1.0, 1.0
+    for a in accuracy:
+        run *= a
+        total += run
+    return total

@@ -37,7 +37,9 @@ from .config import TrainConfig, to_toml
 from ..tokenizer import load_tokenizer
 from .data import DataLoader, build_data
 from .flops import flops_per_token, peak_flops
-from .loss import LossConfig, compute_loss, count_tokens, freeze_trunk, shift_labels
+from .draft_vocab import draft_vocabulary, write_run_draft_vocab
+from .features import FEATURE_KEYS
+from .loss import LossConfig, compute_loss, count_tokens, freeze_trunk, shift_labels, tau_sim
 from .optim import build_optimizer, build_scheduler
 from .vision_data import rows_vision
 
@@ -98,7 +100,7 @@ def loss_config(cfg: TrainConfig) -> LossConfig:
     m = cfg.mtp
     return LossConfig(mtp_lambda=m.mtp_lambda, mtp_weights=m.weights, lambda_schedule=m.lambda_schedule,
                       depth_curriculum=m.depth_curriculum, mtp_depths=m.depth or None, mtp_only=m.only,
-                      detach_trunk=m.detach_trunk, ce_chunk_tokens=m.ce_chunk_tokens)
+                      detach_trunk=m.detach_trunk, ce_chunk_tokens=m.ce_chunk_tokens, head_loss=m.head_loss)
 
 
 def tokenizer_path(cfg: TrainConfig) -> str:
@@ -178,6 +180,10 @@ class Trainer:
         model.to(self.device)
 
         data = build_data(cfg.data, self.tokenizer, cfg.mtp.depth, self.processor)
+        if cfg.data.mode == "features":
+            data.store.check_model(model)
+        if cfg.mtp.draft_vocab:
+            self.loss_cfg.draft_vocab = draft_vocabulary(data.target_ids(), cfg.mtp.draft_vocab, model.config.vocab_size)
         self.loader = DataLoader(data, t.batch_size, self.dist.rank, self.dist.world)
         per_rank = t.batch_size // self.dist.world
         self.micro = t.micro_batch_size or per_rank
@@ -208,6 +214,8 @@ class Trainer:
             self.tokenizer.save_pretrained(str(self.run_dir / "tokenizer"))
             if self.processor is not None:  # so the exported model takes images
                 self.processor.image_processor.save_pretrained(str(self.run_dir / "tokenizer"))
+            if self.loss_cfg.draft_vocab is not None:  # `mtpkit export --mtp-only` puts it in the head file
+                write_run_draft_vocab(self.run_dir, self.loss_cfg.draft_vocab)
         barrier(self.dist)
 
     def _maybe_resume(self) -> None:
@@ -237,7 +245,8 @@ class Trainer:
         batch = {k: v.to(self.device) for k, v in batch.items()}
         batch["labels"] = shift_labels(batch["input_ids"], batch["segment_ids"], batch["loss_mask"])
         rows = batch["input_ids"].shape[0]
-        return [{**{k: batch[k][i : i + self.micro] for k in ("input_ids", "labels", "segment_ids")},
+        keys = ("input_ids", "labels", "segment_ids", *(k for k in FEATURE_KEYS if k in batch))
+        return [{**{k: batch[k][i : i + self.micro] for k in keys},
                  **rows_vision(batch, i, i + self.micro)} for i in range(0, rows, self.micro)]
 
     def _run(self, micros: list[dict], step: int, train: bool) -> tuple[float, float, list, list]:
@@ -278,7 +287,8 @@ class Trainer:
         rows = val.rows(self.dist.rank * per, per)
         _, main, mtp, acc = self._run(self._micro_batches(rows), max(self.step - 1, 0), train=False)
         D = self.cfg.mtp.depth
-        return {"val_main_loss": main, "val_mtp_loss": (mtp + [None] * D)[:D], "val_mtp_acc": (acc + [None] * D)[:D]}
+        return {"val_main_loss": main, "val_mtp_loss": (mtp + [None] * D)[:D], "val_mtp_acc": (acc + [None] * D)[:D],
+                "val_tau_sim": tau_sim(acc)}
 
     def train_step(self) -> dict:
         """One optimizer step; returns its metrics (global over ranks). Raises NonFiniteLoss."""
@@ -348,7 +358,8 @@ class Trainer:
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         if self._tb is not None:
-            for k in ("loss", "main_loss", "lr", "lr_mtp", "grad_norm", "tokens_per_s", "mfu", "mem_gb", "val_main_loss"):
+            for k in ("loss", "main_loss", "lr", "lr_mtp", "grad_norm", "tokens_per_s", "mfu", "mem_gb", "val_main_loss",
+                      "val_tau_sim"):
                 if rec.get(k) is not None:
                     self._tb.add_scalar(f"train/{k}", rec[k], rec["step"])
             for d, (l, a) in enumerate(zip(rec["mtp_loss"], rec["mtp_acc"]), 1):
@@ -365,7 +376,8 @@ class Trainer:
                   f"gnorm {rec['grad_norm']:.3f}", f"{rec['tokens_per_s'] / 1e3:.2f}k tok/s"]
         if "val_main_loss" in rec:
             parts.append(f"val main {rec['val_main_loss']:.4f}" + (
-                f" acc {_fmt_list(rec['val_mtp_acc'], '.3f')}" if self.cfg.mtp.depth else ""))
+                f" acc {_fmt_list(rec['val_mtp_acc'], '.3f')} tau_sim {rec['val_tau_sim']:.2f}"
+                if self.cfg.mtp.depth else ""))
         if "mfu" in rec:
             parts.append(f"mfu {100 * rec['mfu']:.1f}%")
         parts.append(f"mem {rec['mem_gb']:.2f}G {rec['mem_kind']}")

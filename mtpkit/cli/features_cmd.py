@@ -1,0 +1,35 @@
+"""`mtpkit features --records R.jsonl --out DIR`: cache the frozen trunk's hidden states (and top-k) for
+training an MTP head without running the trunk (`data.mode = "features"`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("features", help="store the trunk's hidden states (and top-k logits) of distilled records")
+    p.add_argument("--model", help="HF model directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--records", required=True, nargs="+", help="JSONL records with input_ids (+ loss_mask), as "
+                                                                "mtpkit distill writes")
+    p.add_argument("--out", required=True, help="features directory (created; rerun the command to resume)")
+    p.add_argument("--topk", type=int, default=0, help="also store the top-k next-token log-probabilities "
+                                                       "(needed by mtp.head_loss = 'soft'); 0: none")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="storage of the hidden states")
+    p.add_argument("--compute", choices=["bfloat16", "autocast", "float32"], default="bfloat16",
+                   help="trunk precision: bf16 weights, fp32 weights with bf16 autocast, or fp32")
+    p.add_argument("--batch-tokens", type=int, default=16384, help="tokens per trunk forward (padded)")
+    p.add_argument("--row-tokens", type=int, default=2048, help="records are packed whole into rows of this length")
+
+
+def run(args) -> int:
+    from ..assets import default_gguf_path
+    from ..checkpoint.hf import load_model
+    from ..train.features import build_features
+
+    path = Path(args.model) if args.model else default_gguf_path()
+    model = load_model(path, mtp=False).eval()
+    info = build_features(model, args.records, args.out, topk=args.topk, hidden_dtype=args.dtype,
+                          compute=args.compute, batch_tokens=args.batch_tokens, row_tokens=args.row_tokens)
+    print(f"{info['records']} records; {info['tokens']} tokens stored by this run in {info['seconds']:.0f} s "
+          f"({info['tokens_per_second']:.0f} tokens/s) -> {args.out}")
+    return 0

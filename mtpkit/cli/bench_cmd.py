@@ -31,8 +31,8 @@ def run(args) -> int:
 
     from ..assets import default_gguf_path
     from ..bench.report import plot, render
-    from ..bench.speedup import (DEFAULT_HEAD, DEFAULT_PROMPTS, encode_prompts, load_hf_baseline, read_prompts,
-                                  resource, run_bench)
+    from ..bench.speedup import (DEFAULT_PROMPTS, encode_prompts, load_hf_baseline, read_prompts, resource,
+                                  run_bench, shipped_head)
     from ..checkpoint.hf import load_model
     from ..checkpoint.mtp_head import load_mtp_head
     from ..models.multimodal import load_processor
@@ -50,7 +50,7 @@ def run(args) -> int:
     if vision and args.baseline == "hf":
         raise ValueError("--baseline hf takes text prompts only")
     model = load_model(path, dtype=dtype, vision=vision)
-    head = args.mtp or (None if args.model else resource(DEFAULT_HEAD))
+    head = args.mtp or shipped_head(path)
     if head:
         load_mtp_head(model, head)
     if model.mtp is None:

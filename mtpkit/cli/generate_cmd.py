@@ -1,5 +1,6 @@
-"""`mtpkit generate --model PATH --prompt TEXT [--image PNG ...] [--draft-tokens K]`: stream a completion, then
-one stats line."""
+"""`mtpkit generate [--model PATH] --prompt TEXT [--image PNG ...] [--draft-tokens K]`: print a completion (streamed
+in a terminal), then one stats line. Like `mtpkit bench`, without --model it runs the embedded SmolLM2 model, and
+on that model it drafts with the shipped MTP head unless --mtp names another."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text, optionally with MTP self-speculative decoding")
-    p.add_argument("--model", required=True, help="HF model directory or .gguf file")
-    p.add_argument("--mtp", help="MTP head to attach: a .safetensors file holding only mtp.* tensors")
+    p.add_argument("--model", help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--mtp", help="MTP head to attach: a .safetensors file holding only mtp.* tensors; default: the "
+                                 "model's own, or the shipped SmolLM2 head for the embedded model")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="an image for a vision-language model (repeat for several); placed before the prompt "
@@ -25,17 +27,26 @@ def add_parser(sub) -> None:
 
 
 class TextStream:
-    """Prints the text of a growing list of token ids as it grows. The whole list is decoded each time, since
-    a token alone may decode differently (leading spaces) or end inside a multi-byte character (held back)."""
+    """Prints the text of a growing list of token ids: as it grows when `live` (a terminal), else all at `close`.
+    The whole list is decoded each time, since a token alone may decode differently (leading spaces) or end
+    inside a multi-byte character (held back until it is complete); `close` prints what is left, so the output
+    is always the decoded completion."""
 
-    def __init__(self, tokenizer, out=None):
-        self.tokenizer, self.out = tokenizer, out or sys.stdout
+    def __init__(self, tokenizer, out=None, live: bool = True):
+        self.tokenizer, self.out, self.live = tokenizer, out or sys.stdout, live
         self.ids, self.printed = [], ""
 
     def __call__(self, row: int, ids: list[int]) -> None:
         self.ids.extend(ids)
+        if self.live:
+            self._write(final=False)
+
+    def close(self) -> None:
+        self._write(final=True)
+
+    def _write(self, final: bool) -> None:
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd") or not text.startswith(self.printed):
+        if (text.endswith("\ufffd") and not final) or not text.startswith(self.printed) or text == self.printed:
             return
         self.out.write(text[len(self.printed) :])
         self.out.flush()
@@ -51,28 +62,32 @@ def stats_line(stats: dict, k: int) -> str:
 
 
 def run(args) -> int:
+    from ..assets import default_gguf_path
+    from ..bench.speedup import shipped_head
     from ..checkpoint.hf import load_model
     from ..checkpoint.mtp_head import load_mtp_head
     from ..decode.generate import generate
     from ..models.multimodal import image_inputs, load_processor, open_images
     from ..tokenizer import encode_prompt, load_tokenizer
 
-    path = Path(args.model)
+    path = Path(args.model) if args.model else default_gguf_path()
     images = open_images(args.image)
     model = load_model(path, vision=bool(images))
-    if args.mtp:
-        load_mtp_head(model, args.mtp)
+    head = args.mtp or shipped_head(path)
+    if head:
+        load_mtp_head(model, head)
     tokenizer = load_tokenizer(path)
     if images:
         prompt = image_inputs(model, load_processor(path), args.prompt, images, args.chat)
     else:
         prompt = encode_prompt(tokenizer, args.prompt, args.chat)
-    stream = TextStream(tokenizer)
+    stream = TextStream(tokenizer, live=sys.stdout.isatty())
     result = generate(
         model, [prompt], max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         eos_token_id=tokenizer.eos_token_id, on_tokens=stream,
     )
+    stream.close()
     print()
     print(stats_line(result.stats, args.draft_tokens))
     return 0

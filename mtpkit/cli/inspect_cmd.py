@@ -56,13 +56,24 @@ def summary(model) -> dict:
     }
 
 
+def no_mtp_hint(path) -> str:
+    """How to get an MTP head for a checkpoint without one: the shipped head for the embedded SmolLM2 model."""
+    from ..bench.speedup import shipped_head
+
+    head = shipped_head(path)
+    if head:
+        return (f"no (mtpkit ships a head for this model, which mtpkit generate and mtpkit bench use by default; "
+                f"elsewhere pass --mtp {head})")
+    return "no (add one with mtpkit train ... or mtpkit.add_mtp)"
+
+
 def run(args) -> int:
     from ..checkpoint.hf import load_model
 
     model = load_model(args.path, dtype=None, mtp=True)
     s = summary(model)
     mtp = f"yes ({s['mtp_layers']} layer{'s' if s['mtp_layers'] > 1 else ''}, {s['params_mtp'] / 1e6:.2f}M params)" \
-        if s["mtp_layers"] else "no (add one with mtpkit train ... or mtpkit.add_mtp)"
+        if s["mtp_layers"] else no_mtp_hint(args.path)
     rows = [
         ("path", args.path),
         ("family", f"{s['family']} ({s['layout']} layout)"),

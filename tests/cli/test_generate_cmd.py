@@ -1,17 +1,25 @@
-"""`mtpkit generate` on a tiny model with a word-level tokenizer, and MTP head files (save, load, errors)."""
+"""`mtpkit generate` on a tiny model with a word-level tokenizer, and MTP head files (save, load, errors); text
+streamed in a terminal without splitting characters; the embedded SmolLM2 model with its shipped head by default."""
 
+import io
 import re
+import sys
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tiny_models import hf_model, save_hf
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import mtpkit
+from mtpkit.assets import SMOLLM2_GGUF_NAME
+from mtpkit.bench.speedup import DEFAULT_HEAD, resource, shipped_head
+from mtpkit.checkpoint import hf
 from mtpkit.checkpoint.mtp_head import load_mtp_head, save_mtp_head
 from mtpkit.cli import main
+from mtpkit.cli.generate_cmd import TextStream
+from mtpkit.tokenizer import encode_prompt, load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +104,105 @@ def test_head_files_that_do_not_fit_are_refused(model_dir, head_file, tmp_path):
         save_file(tensors, str(tmp_path / name))
         with pytest.raises(ValueError, match=re.escape(message)):
             load_mtp_head(mtpkit.load_model(model_dir), tmp_path / name)
+
+
+class Terminal(io.StringIO):
+    """stdout that records each write, and says whether it is a terminal."""
+
+    def __init__(self, tty: bool):
+        super().__init__()
+        self.tty, self.parts = tty, []
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, text: str) -> int:
+        self.parts.append(text)
+        return super().write(text)
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_streams_token_by_token_only_in_a_terminal(model_dir, monkeypatch, tty):
+    out = Terminal(tty)
+    monkeypatch.setattr(sys, "stdout", out)
+    assert main(["generate", "--model", str(model_dir), "--prompt", "t1 t2 t3", "--max-new-tokens", "8"]) == 0
+    completion = out.parts[: out.parts.index("\n")]
+    assert "".join(completion) == expected_text(model_dir, [1, 2, 3], 8)
+    assert len(completion) == (8 if tty else 1)  # one write per new token, or the whole text at once
+
+
+def byte_tokenizer():
+    """Byte-level BPE without merges: one token per UTF-8 byte, so a character such as 🌊 spans four tokens."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+@pytest.mark.parametrize("cut", [0, 1])
+def test_text_stream_never_prints_half_a_character(cut):
+    """Fed one token at a time, the terminal stream holds back a character until its last byte arrives, prints
+    the decoded text exactly, and at close prints what is left, even a character cut by max_new_tokens."""
+    tok = byte_tokenizer()
+    ids = tok.encode("the sea 🌊, la mer é, 海")
+    ids = ids[: len(ids) - cut]
+    assert "\ufffd" in tok.decode(ids[:9])  # power: a token-by-token print would show half of 🌊
+    out = Terminal(tty=True)
+    stream = TextStream(tok, out, live=True)
+    for i in ids:
+        stream(0, [i])
+    before_close = len(out.parts)
+    stream.close()
+    assert "".join(out.parts) == tok.decode(ids)
+    assert all("\ufffd" not in part for part in out.parts[:before_close])
+    assert before_close >= 20  # streamed as it came (24 characters)
+
+
+def test_text_stream_off_a_terminal_prints_once_at_close():
+    tok = byte_tokenizer()
+    ids = tok.encode("la mer é 🌊")
+    out = Terminal(tty=False)
+    stream = TextStream(tok, out, live=False)
+    for i in ids:
+        stream(0, [i])
+    assert out.parts == []
+    stream.close()
+    assert out.parts == [tok.decode(ids)]
+
+
+def test_the_shipped_head_goes_with_the_embedded_model_wherever_it_lies(tmp_path, monkeypatch):
+    monkeypatch.delenv("MTPKIT_SMOLLM2_GGUF", raising=False)
+    head = resource(DEFAULT_HEAD)
+    assert head.is_file()
+    assert shipped_head(tmp_path / "copies" / SMOLLM2_GGUF_NAME) == head
+    assert shipped_head(tmp_path / "model.gguf") is None
+    assert shipped_head(tmp_path) is None
+    monkeypatch.setenv("MTPKIT_SMOLLM2_GGUF", str(tmp_path / "model.gguf"))  # the documented local copy
+    assert shipped_head(tmp_path / "model.gguf") == head
+
+
+@pytest.mark.slow
+def test_the_first_command_a_newcomer_types(smollm2_gguf, capsys, monkeypatch):
+    """`mtpkit generate --prompt ... --chat --draft-tokens 1` as typed: the embedded model with the shipped head
+    (46% of drafts accepted on this prompt, where a random head gets almost none), the same text as plain
+    decoding."""
+    loaded, load = [], hf.load_model
+
+    def recording_load(*args, **kwargs):  # the CLI's model, to decode plainly without loading it twice
+        loaded.append(load(*args, **kwargs))
+        return loaded[-1]
+
+    monkeypatch.setattr(hf, "load_model", recording_load)
+    prompt = "Write a haiku about the sea."
+    code, out, err = run_cli(capsys, "--prompt", prompt, "--chat", "--draft-tokens", 1)
+    assert code == 0, err
+    text, stats = out.rstrip("\n").rsplit("\n", 1)
+    [model] = loaded
+    shipped = load_file(resource(DEFAULT_HEAD))
+    assert all(torch.equal(t, shipped[f"mtp.{k}"].float()) for k, t in model.mtp.state_dict().items())
+    tok = load_tokenizer(smollm2_gguf)
+    plain = mtpkit.generate(model, [encode_prompt(tok, prompt, True)], max_new_tokens=256,
+                            eos_token_id=tok.eos_token_id)
+    assert text == tok.decode(plain.tokens[0], skip_special_tokens=True)
+    assert float(re.search(r"k=1: acceptance rate ([\d.]+)%", stats).group(1)) >= 25

@@ -3,7 +3,8 @@
 Rows may have prompts of different lengths: each is prefilled through a row view of the cache and then decodes
 at its own positions. A row that stops (EOS or max_new_tokens) leaves the batch: the cache and the per-row
 state are index-selected down to the live rows, so finished rows cost nothing afterwards (one cache copy per
-batch shrink, at most B-1 of them). The loop reads the device once per step, to learn what each row emitted.
+batch shrink, at most B-1 of them). The loop reads the device once per step, to learn what each row emitted
+(gated drafting adds one read per draft step, to skip draft steps no row needs).
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ from .sampling import SamplingParams, select
 class GenerateResult:
     """`stats`, as vLLM defines them (a verification step = one row verified once; acceptance figures are None
     without speculation): new_tokens, forward_passes (trunk forwards after prefill), verification_steps,
-    drafted, accepted, accepted_per_position [k], acceptance_rate = accepted / drafted,
-    mean_acceptance_length = 1 + accepted / verification_steps, per_position_acceptance [k] = accepted at
-    draft position j / verification_steps, seconds (prefill included), tokens_per_second."""
+    drafted (tokens actually proposed: fewer than k per step when drafting is gated), accepted,
+    accepted_per_position [k], acceptance_rate = accepted / drafted, mean_acceptance_length = 1 + accepted /
+    verification_steps, per_position_acceptance [k] = accepted at draft position j / verification_steps,
+    drafted_per_step = drafted / verification_steps, draft_lengths [k] = verification steps that proposed j
+    drafts (the stop distribution), seconds (prefill included), tokens_per_second."""
 
     tokens: list[list[int]]  # per row: the new token ids, ending with EOS when one was produced
     stats: dict
@@ -69,24 +72,29 @@ class _Bookkeeper:
         self.accept_lengths = [[] for _ in range(batch)]
         self.live = list(range(batch))  # original row index of each batch row still decoding
         self.k, self.max_new, self.eos, self.on_tokens = k, max_new, eos, on_tokens
-        self.forward_passes = self.steps = self.accepted = 0
+        self.forward_passes = self.steps = self.accepted = self.drafted = 0
         self.accepted_per_position = [0] * k
+        self.draft_lengths = [0] * k
 
-    def emit(self, chunks: list[list[int]], accepted: list[int] | None = None) -> list[int]:
-        """Append each live row's chunk (cut after EOS or at max_new_tokens); return the batch rows still live."""
+    def emit(self, chunks: list[list[int]], verified: list[tuple[int, int]] | None = None) -> list[int]:
+        """Append each live row's chunk (cut after EOS or at max_new_tokens); return the batch rows still live.
+        verified: per row, (accepted, drafted) of its verification step when speculating."""
         keep = []
         for b, (row, chunk) in enumerate(zip(self.live, chunks)):
-            if accepted is not None:  # one verification step of this row
+            if verified is not None:  # one verification step of this row
+                accepted, drafted = verified[b]
                 self.steps += 1
-                self.accepted += accepted[b]
-                for j in range(accepted[b]):
+                self.accepted += accepted
+                self.drafted += drafted
+                self.draft_lengths[drafted - 1] += 1
+                for j in range(accepted):
                     self.accepted_per_position[j] += 1
             out = self.tokens[row]
             chunk = chunk[: self.max_new - len(out)]
             stop = next((i for i, t in enumerate(chunk) if t in self.eos), None)
             if stop is not None:
                 chunk = chunk[: stop + 1]
-            if accepted is not None:
+            if verified is not None:
                 self.accept_lengths[row].append(len(chunk))
             out.extend(chunk)
             if self.on_tokens is not None:
@@ -97,8 +105,7 @@ class _Bookkeeper:
         return keep
 
     def stats(self, seconds: float) -> dict:
-        new = sum(map(len, self.tokens))
-        drafted = self.k * self.steps
+        new, drafted = sum(map(len, self.tokens)), self.drafted
         return {
             "new_tokens": new,
             "forward_passes": self.forward_passes,
@@ -109,6 +116,8 @@ class _Bookkeeper:
             "acceptance_rate": self.accepted / drafted if drafted else None,
             "mean_acceptance_length": 1 + self.accepted / self.steps if self.steps else None,
             "per_position_acceptance": [a / self.steps for a in self.accepted_per_position] if self.steps else [],
+            "drafted_per_step": drafted / self.steps if self.steps else None,
+            "draft_lengths": list(self.draft_lengths),
             "seconds": seconds,
             "tokens_per_second": new / seconds if seconds > 0 else 0.0,
         }
@@ -155,12 +164,15 @@ def generate(
     seed: int | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     draft_vocab: torch.Tensor | None = None,
+    draft_min_prob: float = 0.0,
     on_tokens: Callable[[int, list[int]], None] | None = None,
 ) -> GenerateResult:
     """Decode up to max_new_tokens new tokens per prompt (rows of token ids, or for a vision-language model
     dicts from `mtpkit.image_inputs` with the image patches); draft_tokens=k > 0 drafts k tokens per step with the
     model's MTP module and verifies them in one trunk forward (lossless: greedy output is token for token the
     same, sampled output has exactly the same distribution). `draft_vocab` restricts drafting to those ids.
+    `draft_min_prob` = p > 0 gates drafting: a row stops after its first draft whose head probability is below p
+    (see `speculative.DraftHead`); output is unchanged, fewer drafts are wasted.
     `on_tokens(row, ids)` is called with every row's new tokens as they are produced (for streaming)."""
     params = SamplingParams(temperature, top_k, top_p)
     cfg = model.config
@@ -172,6 +184,8 @@ def generate(
         raise ValueError(f"draft_tokens must be >= 0, not {k}")
     if k and model.mtp is None:
         raise ValueError("this model has no MTP head: load one with --mtp or train one (draft_tokens needs it)")
+    if draft_min_prob and not k:
+        raise ValueError("draft_min_prob gates speculative drafting: give draft_tokens >= 1 as well")
     longest = max(map(len, rows))
     if longest + max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(
@@ -181,7 +195,7 @@ def generate(
     eos = {int(e) for e in ([] if eos_token_id is None else torch.as_tensor(eos_token_id).flatten().tolist())}
     weight = model.output_weight
     generator = torch.Generator(weight.device).manual_seed(random.getrandbits(63) if seed is None else seed)
-    head = spec.DraftHead(model, params, draft_vocab) if k else None
+    head = spec.DraftHead(model, params, draft_vocab, draft_min_prob) if k else None
 
     book = _Bookkeeper(len(rows), k, max_new_tokens, eos, on_tokens)
     with thin_matmuls(model):
@@ -207,12 +221,13 @@ def _decode(model, rows, vision, book: _Bookkeeper, params, generator, head) -> 
             slot = pos[:, None]
             logits = model(last[:, None], positions=slot + delta[:, None], cache=cache, cache_positions=slot,
                            kv_len=top + 1).logits[:, 0]
-            n, tokens = torch.zeros_like(last), select(logits, params, generator)[:, None]
+            n = drafted = torch.zeros_like(last)
+            tokens = select(logits, params, generator)[:, None]
         else:
-            n, tokens, m = spec.step(model, cache, last, pos, delta, m, top, k, head, params, generator)
+            n, drafted, tokens, m = spec.step(model, cache, last, pos, delta, m, top, k, head, params, generator)
         book.forward_passes += 1
-        host = torch.cat([n[:, None], tokens], dim=1).tolist()  # the one device read of the step
-        keep = book.emit([h[1 : h[0] + 2] for h in host], [h[0] for h in host] if k else None)
+        host = torch.cat([n[:, None], drafted[:, None], tokens], dim=1).tolist()  # the one device read of the step
+        keep = book.emit([h[2 : h[0] + 3] for h in host], [(h[0], h[1]) for h in host] if k else None)
         last = tokens.gather(1, n[:, None])[:, 0]
         pos = pos + n + 1
         pos_host = [p + h[0] + 1 for p, h in zip(pos_host, host)]

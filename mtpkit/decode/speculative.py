@@ -35,10 +35,19 @@ def frequent_tokens(token_ids: Iterable, n: int) -> torch.Tensor:
 
 class DraftHead:
     """The lm_head used for drafting: the full output weight, or only the rows of a reduced draft vocabulary.
-    Drafting from a subset changes only q (zero outside it), which rejection sampling corrects exactly."""
+    Drafting from a subset changes only q (zero outside it), which rejection sampling corrects exactly.
 
-    def __init__(self, model, params: SamplingParams, vocab: torch.Tensor | None = None):
-        self.params = params
+    min_prob > 0 gates drafting by confidence (llama.cpp's `p_min`, EAGLE-2's confidence, transformers'
+    `assistant_confidence_threshold`): the head probability of a draft is q(d), the draft distribution's
+    probability of the token drafted (greedy: its top-1 probability, softmax at temperature 1 over the draft
+    vocabulary). Sampling uses q(d), not max q: a draw from q's tail is unlikely to be accepted however peaked q
+    is, and EAGLE-2 finds q(d) tracks the acceptance rate. The rule reads only the draft side, so output
+    stays exact."""
+
+    def __init__(self, model, params: SamplingParams, vocab: torch.Tensor | None = None, min_prob: float = 0.0):
+        if not 0 <= min_prob <= 1:
+            raise ValueError(f"draft_min_prob must be in [0, 1] (0: no gating), not {min_prob}")
+        self.params, self.min_prob = params, float(min_prob)
         self.vocab_size = model.config.vocab_size
         weight = model.output_weight
         self.vocab = None
@@ -50,41 +59,65 @@ class DraftHead:
             weight = weight[self.vocab]  # [N, H]: a copy, made once per generate call
         self.weight = weight
 
-    def __call__(self, hidden: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """MTP output [B, H] -> draft ids [B] and q [B, V] over the full vocabulary (None when greedy)."""
+    def __call__(self, hidden: torch.Tensor, generator):
+        """MTP output [B, H] -> draft ids [B], q [B, V] over the full vocabulary (None when greedy) and, when
+        gating, whether each row's draft is confident enough to draft on after it [B] bool (else None)."""
         logits = thin_linear(hidden, self.weight)  # [B, V or N]
         if self.params.greedy:
             idx = logits.argmax(dim=-1)
-            return (idx if self.vocab is None else self.vocab[idx]), None
+            sure = None
+            if self.min_prob:  # softmax at the argmax = exp(max - logsumexp): one pass over the draft vocabulary
+                top = logits.gather(1, idx[:, None])[:, 0].float()
+                sure = (top - logits.float().logsumexp(dim=-1)).exp() >= self.min_prob
+            return (idx if self.vocab is None else self.vocab[idx]), None, sure
         q = probs(logits, self.params)
         idx = sample(q, generator)
+        sure = q.gather(1, idx[:, None])[:, 0] >= self.min_prob if self.min_prob else None
         if self.vocab is None:
-            return idx, q
+            return idx, q, sure
         full = q.new_zeros(q.shape[0], self.vocab_size).index_copy_(1, self.vocab, q)
-        return self.vocab[idx], full
+        return self.vocab[idx], full, sure
 
 
 def draft(model, cache, m, pos, delta, top: int, k: int, head: DraftHead, generator):
-    """k draft tokens per row. m [B, H]: the MTP's depth-1 output at slot pos-1 (it predicts the token at
+    """Up to k draft tokens per row. m [B, H]: the MTP's depth-1 output at slot pos-1 (it predicts the token at
     pos+1, the one after the last sampled token, which sits at pos); delta [B]: rope position - slot (MRoPE
-    after images, else 0); top = max(pos) on the host. Returns drafts [B, k] and q [B, k, V] or None."""
+    after images, else 0); top = max(pos) on the host. Returns drafts [B, K], q [B, K, V] or None, and each
+    row's number of drafts count [B] (K = max(count) <= k). With gating a row stops after its first draft that
+    is not confident; once every row has stopped the remaining draft steps are skipped (one device read per
+    step). Without gating count = K = k."""
     tokens, qs = [], []
+    going = torch.ones(m.shape[0], dtype=torch.bool, device=m.device)  # row drafts at this depth
+    count = torch.zeros(m.shape[0], dtype=torch.long, device=m.device)
     for j in range(1, k + 1):
-        if j > 1:  # chain: the previous draft and the MTP's own post-norm output, one position further
+        if j > 1:
+            if head.min_prob and not bool(going.any()):
+                break
+            # chain: the previous draft and the MTP's own post-norm output, one position further
             p = (pos + j - 2)[:, None]
             m = model.mtp_step(tokens[-1][:, None], m[:, None], p + delta[:, None], j, cache, p,
                                kv_len=top + j - 1)[:, 0]
-        d, q = head(m, generator)
+        d, q, sure = head(m, generator)
         tokens.append(d)
         qs.append(q)
-    return torch.stack(tokens, 1), (None if qs[0] is None else torch.stack(qs, 1))
+        count += going
+        if sure is not None:
+            going &= sure
+    return torch.stack(tokens, 1), (None if qs[0] is None else torch.stack(qs, 1)), count
 
 
-def accept_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """drafts [B, k], trunk logits [B, k+1, V] -> accepted count n [B] and tokens [B, k+1], of which the first
-    n+1 are emitted: the accepted drafts (equal to the trunk's argmax) and the trunk's own next token."""
+def proposed(count: torch.Tensor, K: int) -> torch.Tensor:
+    """[B, K] bool: the draft positions each row proposed (its first count[b]; the rest of a gated batch's
+    drafts are padding, never accepted)."""
+    return torch.arange(K, device=count.device) < count[:, None]
+
+
+def accept_greedy(drafts: torch.Tensor, logits: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """drafts [B, K] (row b proposed the first count[b]), trunk logits [B, K+1, V] -> accepted count n [B] and
+    tokens [B, K+1], of which the first n+1 are emitted: the accepted drafts (equal to the trunk's argmax) and
+    the trunk's own next token."""
     target = logits.argmax(dim=-1)
-    n = (drafts == target[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+    n = ((drafts == target[:, :-1]) & proposed(count, drafts.shape[1])).long().cumprod(dim=1).sum(dim=1)
     return n, target
 
 
@@ -96,17 +129,19 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > 0, r / mass.clamp_min(1e-30), p)
 
 
-def accept_sampling(drafts, q, p, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """drafts [B, k], draft distributions q [B, k, V], trunk distributions p [B, k+1, V] -> n [B], tokens [B, k+1]
-    (first n+1 emitted): drafts accepted with probability min(1, p/q), then one draw from the residual after
-    the first rejection, or from p after the last draft (the bonus token)."""
-    B, k = drafts.shape
+def accept_sampling(drafts, q, p, generator, count) -> tuple[torch.Tensor, torch.Tensor]:
+    """drafts [B, K] (row b proposed the first count[b]), draft distributions q [B, K, V], trunk distributions
+    p [B, K+1, V] -> n [B], tokens [B, K+1] (first n+1 emitted): drafts accepted with probability min(1, p/q),
+    then one draw from the residual after the first rejection, or from p after the row's last draft (the bonus
+    token)."""
+    B, K = drafts.shape
     rows = torch.arange(B, device=drafts.device)
-    p_d = p[:, :k].gather(2, drafts[..., None])[..., 0]
+    p_d = p[:, :K].gather(2, drafts[..., None])[..., 0]
     q_d = q.gather(2, drafts[..., None])[..., 0]  # > 0: each draft was drawn from q
-    u = torch.rand(B, k, generator=generator, device=p.device)
-    n = (u * q_d < p_d).long().cumprod(dim=1).sum(dim=1)
-    q_next = F.pad(q, (0, 0, 0, 1))[rows, n]  # no draft after the last position: q = 0 there, so residual = p
+    u = torch.rand(B, K, generator=generator, device=p.device)
+    n = ((u * q_d < p_d) & proposed(count, K)).long().cumprod(dim=1).sum(dim=1)
+    # no draft after a row's last one: q = 0 there, so the residual is p
+    q_next = F.pad(q, (0, 0, 0, 1))[rows, n] * (n < count)[:, None]
     fix = sample(residual(p[rows, n], q_next), generator)
     tokens = F.pad(drafts, (0, 1)).scatter(1, n[:, None], fix[:, None])
     return n, tokens
@@ -122,22 +157,24 @@ def mtp_extend(model, cache, hidden, tokens, pos, delta, top: int):
 
 
 def step(model, cache, last, pos, delta, m, top: int, k: int, head: DraftHead, params: SamplingParams, generator):
-    """One speculative step for every row: draft k tokens, verify [last, drafts] in one trunk forward, accept,
-    roll the GDN state back to the last accepted token, and run the MTP over the accepted rows.
+    """One speculative step for every row: draft up to k tokens, verify [last, drafts] in one trunk forward,
+    accept, roll the GDN state back to the last accepted token, and run the MTP over the accepted rows.
     last, pos [B]: the last sampled token and its cache slot (not yet in the cache); delta [B]: its rope position
-    - slot; m [B, H]: the MTP's output at slot pos-1; top = max(pos). Returns accepted counts n [B], tokens
-    [B, k+1] (first n+1 emitted) and the next m."""
-    drafts, q = draft(model, cache, m, pos, delta, top, k, head, generator)
-    slots = pos[:, None] + torch.arange(k + 1, device=pos.device)
+    - slot; m [B, H]: the MTP's output at slot pos-1; top = max(pos). Returns accepted counts n [B], drafted
+    counts [B], tokens [B, K+1] (first n+1 emitted; K = the longest row's drafts) and the next m. A gated batch
+    verifies K+1 positions for every row (one forward; shorter rows' padding is never accepted)."""
+    drafts, q, count = draft(model, cache, m, pos, delta, top, k, head, generator)
+    K = drafts.shape[1]
+    slots = pos[:, None] + torch.arange(K + 1, device=pos.device)
     cache.keep_history(True)
     out = model(torch.cat([last[:, None], drafts], 1), positions=slots + delta[:, None], cache=cache,
-                cache_positions=slots, kv_len=top + k + 1)
+                cache_positions=slots, kv_len=top + K + 1)
     if params.greedy:
-        n, tokens = accept_greedy(drafts, out.logits)
+        n, tokens = accept_greedy(drafts, out.logits, count)
     else:
-        n, tokens = accept_sampling(drafts, q, probs(out.logits, params), generator)
+        n, tokens = accept_sampling(drafts, q, probs(out.logits, params), generator, count)
     cache.commit(n + 1)  # GDN layers continue from the state after the last accepted token
     cache.keep_history(False)
     # MTP row j: trunk hidden at pos+j and the token emitted after it; row n, the last one kept, drafts next
     ext = mtp_extend(model, cache, out.hidden, tokens, pos, delta, top)
-    return n, tokens, ext[torch.arange(n.shape[0], device=n.device), n]
+    return n, count, tokens, ext[torch.arange(n.shape[0], device=n.device), n]

@@ -106,9 +106,9 @@ def test_mtp_cache_follows_accepted_tokens(monkeypatch):
     seen = []
 
     def recording_draft(model_, cache, m, pos, *rest):
-        drafts, q = draft(model_, cache, m, pos, *rest)
+        drafts, q, count = draft(model_, cache, m, pos, *rest)
         seen.append((pos.clone(), drafts[:, 0].clone()))
-        return drafts, q
+        return drafts, q, count
 
     draft = spec.draft
     monkeypatch.setattr(spec, "draft", recording_draft)
@@ -145,7 +145,7 @@ def test_accept_sampling_output_is_distributed_as_p():
     drafts = torch.multinomial(q, N, replacement=True, generator=g)[:, None]
     P = p.expand(N, 2, V)
     Q = q.expand(N, 1, V)
-    n, tokens = spec.accept_sampling(drafts, Q, P, g)
+    n, tokens = spec.accept_sampling(drafts, Q, P, g, torch.ones(N, dtype=torch.long))
     first = torch.bincount(tokens[:, 0], minlength=V)
     assert chi2_pvalue(first, p) > 1e-3
     assert 0 < n.float().mean() < 1
@@ -179,10 +179,10 @@ def sampling_case():
     return model, params, prompt, exact_joint(model, prompt, params, 3)
 
 
-def _empirical(model, params, prompt, k, seed, rows=12_000, draft_vocab=None):
+def _empirical(model, params, prompt, k, seed, rows=12_000, draft_vocab=None, draft_min_prob=0.0):
     r = mtpkit.generate(model, torch.tensor([prompt] * rows), max_new_tokens=3, draft_tokens=k,
                         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed,
-                        draft_vocab=draft_vocab)
+                        draft_vocab=draft_vocab, draft_min_prob=draft_min_prob)
     V = model.config.vocab_size
     idx = torch.tensor([t[0] * V * V + t[1] * V + t[2] for t in r.tokens])
     return torch.bincount(idx, minlength=V**3), r.stats
@@ -203,6 +203,33 @@ def test_sampling_from_a_reduced_draft_vocab_stays_exact(sampling_case):
     counts, stats = _empirical(model, params, prompt, 2, seed=5, draft_vocab=torch.arange(0, 32, 2))
     assert chi2_pvalue(counts, joint) > 1e-3
     assert stats["accepted"] > 0
+
+
+def stale_bonus(accept):
+    """The bug gating invites: a row that stopped drafting early (all its drafts accepted, padding after them)
+    draws its next token from residual(p, q) of the padding draft instead of from p."""
+
+    def wrong(drafts, q, p, generator, count):
+        n, tokens = accept(drafts, q, p, generator, count)
+        rows = torch.arange(n.shape[0])
+        stale = (n == count) & (n < drafts.shape[1])
+        redraw = spec.sample(spec.residual(p[rows, n], q[rows, n.clamp(max=drafts.shape[1] - 1)]), generator)
+        tokens[stale, n[stale]] = redraw[stale]
+        return n, tokens
+
+    return wrong
+
+
+def test_gated_sampling_matches_the_exact_distribution(sampling_case, monkeypatch):
+    """The stopping rule reads only q(d) on the draft side, so the output law stays the trunk's; the same counts
+    reject the stale-bonus bug."""
+    model, params, prompt, joint = sampling_case
+    counts, stats = _empirical(model, params, prompt, 3, seed=11, draft_min_prob=0.1)
+    assert chi2_pvalue(counts, joint) > 1e-3
+    assert all(stats["draft_lengths"]) and stats["drafted"] < 3 * stats["verification_steps"]
+    monkeypatch.setattr(spec, "accept_sampling", stale_bonus(spec.accept_sampling))
+    counts, _ = _empirical(model, params, prompt, 3, seed=11, draft_min_prob=0.1)
+    assert chi2_pvalue(counts, joint) < 1e-6
 
 
 def test_the_sampling_test_fails_for_a_wrong_rejection_rule(sampling_case, monkeypatch):

@@ -19,6 +19,8 @@ def add_parser(sub) -> None:
                         "unless the prompt holds an <|image_pad|> per image")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--draft-tokens", type=int, default=0, help="tokens drafted per step by the MTP head (0: plain)")
+    p.add_argument("--draft-min-prob", type=float, default=0.0,
+                   help="stop a step's drafting after a draft the head gives less than this probability (0: off)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -53,11 +55,13 @@ class TextStream:
         self.printed = text
 
 
-def stats_line(stats: dict, k: int) -> str:
+def stats_line(stats: dict, k: int, gated: bool = False) -> str:
     line = f"{stats['new_tokens']} tokens in {stats['seconds']:.2f} s, {stats['tokens_per_second']:.1f} tokens/s"
     if k and stats["acceptance_rate"] is not None:
         line += (f", k={k}: acceptance rate {stats['acceptance_rate']:.1%}, mean acceptance length "
                  f"{stats['mean_acceptance_length']:.2f}")
+        if gated:
+            line += f", {stats['drafted_per_step']:.2f} drafts per step"
     return line
 
 
@@ -84,10 +88,11 @@ def run(args) -> int:
     stream = TextStream(tokenizer, live=sys.stdout.isatty())
     result = generate(
         model, [prompt], max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens,
+        draft_min_prob=args.draft_min_prob,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         eos_token_id=tokenizer.eos_token_id, on_tokens=stream,
     )
     stream.close()
     print()
-    print(stats_line(result.stats, args.draft_tokens))
+    print(stats_line(result.stats, args.draft_tokens, gated=args.draft_min_prob > 0))
     return 0

@@ -1,0 +1,167 @@
+"""Section 2, decoding speed: random Qwen3.5-0.8B- and 2B-shaped models in bf16 (trunk + one MTP layer), batch 1
+and 8, 128 new tokens: plain and speculative tokens/s through `mtpkit.generate`, transformers' generate() on the
+same weights, the verify(k+1) / decode step-time ratio, and the memory bandwidth a decode step achieves.
+
+The MTP head is random, so drafts are almost never accepted: what this measures is what a speculative step costs
+against a plain one (= the mean acceptance length at which speculation breaks even), not acceptance.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ...checkpoint.hf import build_model
+from ...decode.cache import Cache
+from ...decode.generate import generate
+from .common import (Budget, free_memory, guarded, median_seconds, peak_bandwidth, quiet_transformers, rel_max, skipped,
+                     sync)
+from .correctness import first_divergence
+from .models import hf_twin, qwen35_shapes
+
+KS = (1, 2, 3)
+
+
+def decode_bytes(model, batch: int, context: int) -> int:
+    """Bytes one decode step must move at least: every trunk weight read once (a tied embedding as the lm_head,
+    an untied one only gathered), each row's Gated DeltaNet states read and written, its KV cache read."""
+    c = model.config
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("mtp."))
+    if not c.tie_word_embeddings:
+        emb = model.model.embed_tokens.weight
+        weights -= emb.numel() * emb.element_size()
+    size = model.output_weight.element_size()
+    gdn = sum(t == "linear_attention" for t in c.layer_types)
+    conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+    state = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4  # fp32
+    conv = conv_dim * (c.linear_conv_kernel_dim - 1) * size
+    kv = 2 * context * c.num_key_value_heads * c.head_dim * size
+    return weights + batch * (gdn * 2 * (state + conv) + (len(c.layer_types) - gdn) * kv)
+
+
+@torch.inference_mode()
+def step_times(model, ids: torch.Tensor, repeats: int) -> dict:
+    """Median seconds of one decode forward and of a (k+1)-token verify forward (GDN history kept, as in
+    speculative decoding) after a prefill of all but the last max(KS)+1 tokens of ids [B, T]."""
+    B, T = ids.shape
+    P = T - max(KS) - 1
+    w = model.output_weight
+    cache = Cache(model.config, B, T + 1, w.dtype, w.device)
+    pos = torch.arange(T, device=w.device).expand(B, T)
+    model(ids[:, :P], positions=pos[:, :P], cache=cache, return_logits=False, kv_len=P)
+    out = {"decode": median_seconds(lambda: model(ids[:, P : P + 1], positions=pos[:, P : P + 1], cache=cache,
+                                                  kv_len=P + 1), w.device, repeats)}
+    for k in KS:
+        def verify(k=k):
+            cache.keep_history(True)  # the recorded history is dropped: each call verifies from the same state
+            model(ids[:, P : P + k + 1], positions=pos[:, P : P + k + 1], cache=cache, kv_len=P + k + 1)
+            cache.keep_history(False)
+
+        out[f"verify{k + 1}"] = median_seconds(verify, w.device, repeats)
+    return out
+
+
+@torch.inference_mode()
+def twin_error(model, hf) -> float:
+    """max |logits difference| / max |logits| of the two on one random prompt: the weights were copied right."""
+    ids = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(model.output_weight.device)
+    return rel_max(model(ids).logits.float(), hf(ids).logits.float())
+
+
+def _hf_generate(hf, ids: torch.Tensor, new_tokens: int) -> tuple[list[list[int]], float]:
+    sync(ids.device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    sync(ids.device)
+    return out[:, ids.shape[1] :].tolist(), time.perf_counter() - t0
+
+
+def measure(model, hf, batch: int, new_tokens: int, prompt_len: int, repeats: int, peak_bw) -> dict:
+    device = model.output_weight.device
+    g = torch.Generator().manual_seed(batch)
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g)
+    prompts = ids.tolist()
+    for k in (0, *KS):  # warm-up: kernel autotuning, allocator, cuBLAS handles
+        generate(model, prompts, max_new_tokens=4, draft_tokens=k)
+    plain = generate(model, prompts, max_new_tokens=new_tokens)
+    step = plain.stats["seconds"] / plain.stats["forward_passes"]
+    rec = {"plain_tokens_per_s": round(plain.stats["tokens_per_second"], 1), "plain_step_ms": round(1e3 * step, 2)}
+    for k in KS:
+        res = generate(model, prompts, max_new_tokens=new_tokens, draft_tokens=k)
+        spec_step = res.stats["seconds"] / res.stats["forward_passes"]
+        rec[f"k{k}"] = {
+            "tokens_per_s": round(res.stats["tokens_per_second"], 1),
+            "step_ms": round(1e3 * spec_step, 2),
+            # a speculative step emits (mean acceptance length) tokens per row: it pays above this length
+            "break_even_acceptance_length": round(spec_step / step, 3),
+            "tokens_per_step": round(res.stats["new_tokens"] / res.stats["forward_passes"] / batch, 3),
+            "identical_to_plain": res.tokens == plain.tokens,
+        }
+    times = step_times(model, torch.randint(0, model.config.vocab_size, (batch, prompt_len + max(KS) + 1),
+                                            generator=g).to(device), repeats)
+    rec["decode_ms"] = round(1e3 * times["decode"], 3)
+    rec.update({f"verify{k + 1}_over_decode": round(times[f"verify{k + 1}"] / times["decode"], 3) for k in KS})
+    moved = decode_bytes(model, batch, prompt_len)
+    rec["decode_bytes"] = moved
+    rec["achieved_GBps"] = round(moved / times["decode"] / 1e9, 1)
+    if peak_bw:
+        rec["fraction_of_peak_bandwidth"] = round(moved / times["decode"] / peak_bw, 3)
+    if hf is not None:
+        _hf_generate(hf, ids[:, :8].to(device), 4)  # warm-up
+        tokens, sec = _hf_generate(hf, ids.to(device), new_tokens)
+        rec["hf_tokens_per_s"] = round(batch * new_tokens / sec, 1)
+        rec["plain_over_hf"] = round(rec["plain_tokens_per_s"] / rec["hf_tokens_per_s"], 3)
+        rec["hf_first_divergence"] = first_divergence(tokens, plain.tokens)  # bf16: near-ties may flip
+    return rec
+
+
+def run(device: torch.device, tiny: bool, budget: Budget, until: float, peak_bw_tbs: float = 0.0) -> dict:
+    quiet_transformers()
+    records: list[dict] = []
+    batches, new_tokens, prompt_len, repeats = ((1, 2), 8, 16, 3) if tiny else ((1, 8), 128, 64, 20)
+    peak = peak_bandwidth(device, peak_bw_tbs)
+    for name, raw in qwen35_shapes(tiny).items():
+        if budget.left(until) < 0:
+            skipped(records, f"decode {name}", "time budget")
+            continue
+        torch.manual_seed(0)
+        model = build_model(raw, dtype=torch.bfloat16, device=device).eval()
+        twin: list = []
+
+        def make_twin():
+            twin.append(hf_twin(model, raw))
+            return {"rel_max_err_logits": float(f"{twin_error(model, twin[0]):.3g}")}
+
+        guarded(records, f"transformers twin {name}", make_twin)
+        for batch in batches:
+            if budget.left(until) < 0:
+                skipped(records, f"decode {name}", "time budget", batch=batch)
+                continue
+            guarded(records, f"decode {name}", lambda: measure(model, twin[0] if twin else None, batch, new_tokens,
+                                                               prompt_len, repeats, peak),
+                    batch=batch, new_tokens=new_tokens, prompt=prompt_len, dtype="bfloat16")
+        del model, twin
+        free_memory()
+    return {"runs": records, "peak_bandwidth": peak}
+
+
+def summary(section: dict) -> str:
+    runs = [r for r in section.get("runs", []) if "plain_tokens_per_s" in r]
+    if not runs:
+        return "decoding: no run completed"
+    parts = []
+    for r in runs:
+        best = max(KS, key=lambda k: r[f"k{k}"]["tokens_per_s"])
+        part = (f"{r['name'].removeprefix('decode ')} b{r['batch']}: plain {r['plain_tokens_per_s']} tok/s, "
+                f"k={best} {r[f'k{best}']['tokens_per_s']}, verify2/decode {r['verify2_over_decode']}")
+        if "fraction_of_peak_bandwidth" in r:
+            part += f", {100 * r['fraction_of_peak_bandwidth']:.0f}% of peak BW"
+        if "hf_tokens_per_s" in r:
+            part += f", HF {r['hf_tokens_per_s']}"
+        parts.append(part)
+    errors = sum("error" in r for r in section.get("runs", []))
+    return "decoding: " + "; ".join(parts) + (f" ({errors} errors)" if errors else "")

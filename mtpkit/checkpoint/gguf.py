@@ -16,6 +16,7 @@ row ``h*d + 2*j + s``. :func:`_unpermute_qk` applies the inverse:
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 import re
@@ -49,7 +50,9 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 def _bad_file(path: pathlib.Path, what: str) -> ValueError:
-    return ValueError(f"{path} {what}; re-download it (or point to an intact copy)")
+    from ..errors import MtpkitError
+
+    return MtpkitError(f"{path} {what}; re-download it (or point to an intact copy)")
 
 
 def _open_reader(path: pathlib.Path):
@@ -103,11 +106,16 @@ def _config(reader, path: pathlib.Path, tensor_names: set[str]) -> dict[str, Any
             f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
 
-    def need(key: str) -> Any:
-        v = _field(reader, f"{arch}.{key}")
+    def need(key: str, kind=int, default: Any = None) -> Any:
+        """A numeric metadata value of the right type (GGUF stores sizes as integers, eps and theta as floats)."""
+        v = _field(reader, f"{arch}.{key}", default)
         if v is None:
             raise _bad_file(path, f"lacks the GGUF metadata key {arch}.{key!r}")
-        return v
+        if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else int):
+            raise _bad_file(path, f"has GGUF metadata {arch}.{key} = {v!r}, not {'a number' if kind is float else 'an integer'}")
+        if v <= 0 or not math.isfinite(v):
+            raise _bad_file(path, f"has GGUF metadata {arch}.{key} = {v!r}, not a positive value")
+        return kind(v)
 
     if _field(reader, f"{arch}.expert_count", 0):
         raise ValueError(f"{path}: mixture-of-experts Llama GGUFs are not supported")
@@ -116,24 +124,27 @@ def _config(reader, path: pathlib.Path, tensor_names: set[str]) -> dict[str, Any
         kind = scaling if scaling != "none" else "llama3 (rope_freqs)"
         raise ValueError(f"{path}: RoPE scaling {kind!r} is not supported (only none/linear)")
 
-    hidden = int(need("embedding_length"))
-    n_heads = int(need("attention.head_count"))
-    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_heads))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // n_heads))
-    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    hidden = need("embedding_length")
+    n_heads = need("attention.head_count")
+    n_kv = need("attention.head_count_kv", default=n_heads)
+    head_dim = need("attention.key_length", default=hidden // n_heads or 1)
+    rope_dim = need("rope.dimension_count", default=head_dim)
     if rope_dim != head_dim:
         raise ValueError(f"{path}: partial rotary (rope dim {rope_dim} != head dim {head_dim}) is not supported")
-    vocab = _field(reader, f"{arch}.vocab_size") or _array_len(reader, "tokenizer.ggml.tokens")
+    has_vocab = _field(reader, f"{arch}.vocab_size") is not None
+    vocab = need("vocab_size") if has_vocab else _array_len(reader, "tokenizer.ggml.tokens")
     if vocab is None:
-        emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if emb is None or len(emb.shape) != 2:
+            raise _bad_file(path, "has neither a vocabulary size nor a 2-D token_embd.weight")
         vocab = int(emb.shape[1])
-    rope_theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    rope_theta = need("rope.freq_base", float, 10000.0)
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
     if scaling == "linear":
         rope_parameters = {
             "rope_type": "linear",
             "rope_theta": rope_theta,
-            "factor": float(need("rope.scaling.factor")),
+            "factor": need("rope.scaling.factor", float),
         }
 
     config: dict[str, Any] = {
@@ -141,15 +152,15 @@ def _config(reader, path: pathlib.Path, tensor_names: set[str]) -> dict[str, Any
         "model_type": "llama",
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
-        "num_hidden_layers": int(need("block_count")),
+        "intermediate_size": need("feed_forward_length"),
+        "num_hidden_layers": need("block_count"),
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": int(need("context_length")),
+        "max_position_embeddings": need("context_length"),
         # GGUF stores eps as float32; round-trip through str(float32) gives 1e-05, not 9.9999997e-06.
-        "rms_norm_eps": float(str(np.float32(need("attention.layer_norm_rms_epsilon")))),
+        "rms_norm_eps": float(str(np.float32(need("attention.layer_norm_rms_epsilon", float)))),
         "rope_theta": rope_theta,
         "rope_parameters": rope_parameters,
         "attention_bias": False,
@@ -163,8 +174,8 @@ def _config(reader, path: pathlib.Path, tensor_names: set[str]) -> dict[str, Any
         ("pad_token_id", "padding_token_id"),
     ):
         v = _field(reader, f"tokenizer.ggml.{gguf_key}")
-        if v is not None:
-            config[hf_key] = int(v)
+        if isinstance(v, int) and not isinstance(v, bool):
+            config[hf_key] = v
     return config
 
 
@@ -199,6 +210,7 @@ def read_gguf(path: str | os.PathLike, *, progress: bool | None = None) -> tuple
     reader = _open_reader(path)
     tensor_names = {t.name for t in reader.tensors}
     config = _config(reader, path, tensor_names)
+    _check_before_reading(path, reader, config)
     n_layers = config["num_hidden_layers"]
     heads = {"self_attn.q_proj.weight": config["num_attention_heads"],
              "self_attn.k_proj.weight": config["num_key_value_heads"]}
@@ -221,18 +233,32 @@ def read_gguf(path: str | os.PathLike, *, progress: bool | None = None) -> tuple
             w = _unpermute_qk(w, heads[suffix]).contiguous()
         state[name] = w
 
+    return config, state
+
+
+def _check_before_reading(path: pathlib.Path, reader, config: dict) -> None:
+    """Metadata values, tensor names and the embedding's shape, from the header alone: a file whose metadata
+    claims millions of layers or a huge vocabulary fails here, before anything is dequantized."""
+    from ..models.config import ConfigError, config_from_hf
+
+    try:
+        config_from_hf(config)
+    except ConfigError as e:
+        raise _bad_file(path, f"has metadata mtpkit cannot build a model from ({e})") from None
+    n_layers = config["num_hidden_layers"]
+    names = {_hf_name(t.name, n_layers) for t in reader.tensors}
     expected = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config["tie_word_embeddings"]:
         expected.append("lm_head.weight")
     expected += [f"model.layers.{i}.{v}" for i in range(n_layers) for v in _BLOCK_NAMES.values()]
-    missing = [k for k in expected if k not in state]
+    missing = [k for k in expected if k not in names]
     if missing:
         raise _bad_file(path, f"is missing {len(missing)} tensors (first: {missing[0]})")
-    emb = state["model.embed_tokens.weight"]
-    if tuple(emb.shape) != (config["vocab_size"], config["hidden_size"]):
-        raise _bad_file(path, f"has token_embd of shape {tuple(emb.shape)} but the metadata says "
+    emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    shape = tuple(int(x) for x in reversed(emb.shape))
+    if shape != (config["vocab_size"], config["hidden_size"]):
+        raise _bad_file(path, f"has token_embd of shape {shape} but the metadata says "
                               f"vocab {config['vocab_size']} x hidden {config['hidden_size']}")
-    return config, state
 
 
 def load_gguf_tokenizer(path: str | os.PathLike):

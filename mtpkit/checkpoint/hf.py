@@ -18,14 +18,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ..errors import CheckpointError
 from ..models.config import ConfigError, config_from_hf, text_config_dict
 from ..models.init import init_weights
 from ..models.transformer import CausalLM
 from ..models.vlm import VisionLanguageModel
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match its config or cannot be read."""
+from .safe_write import write_dir
 
 
 @dataclass
@@ -74,11 +72,30 @@ def _new_model(raw: dict, config, vision: bool) -> CausalLM:
         raise CheckpointError(f"{e}: load it without vision=True") from None
 
 
+def _free_bytes(device) -> int | None:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 def build_model(raw_config: dict, *, dtype=torch.float32, device="cpu", vision: bool = False) -> CausalLM:
     """A randomly initialised model from a config.json dict (any supported layout); `vision=True`: a
-    VisionLanguageModel from a VLM config."""
+    VisionLanguageModel from a VLM config. Sized on the meta device first: a config too large for the free memory
+    is a one-line error, not an allocator failure."""
+    config = config_from_hf(raw_config)
+    with torch.device("meta"):
+        need = sum(p.numel() for p in _new_model(raw_config, config, vision).parameters()) * 4  # built in fp32
+    free = _free_bytes(device)
+    if free is not None and need > free:
+        raise CheckpointError(f"this config.json describes a model of {need / 2**30:.1f} GiB (fp32) but "
+                              f"{torch.device(device)} has {free / 2**30:.1f} GiB free: check its sizes")
     with torch.device(device):
-        model = _new_model(raw_config, config_from_hf(raw_config), vision).to(dtype)
+        model = _new_model(raw_config, config, vision).to(dtype)
     init_weights(model)
     _, vlm = text_config_dict(raw_config)
     model.checkpoint_info = CheckpointInfo(
@@ -93,18 +110,21 @@ class _SafetensorsDir:
 
     def __init__(self, path: Path):
         index = path / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {name: path / f for name, f in weight_map.items()}
-        else:
-            files = sorted(path.glob("*.safetensors"))
-            if not files:
-                raise CheckpointError(f"{path} has no *.safetensors files: it is not an HF model directory")
-            self.files = {}
-            for f in files:
-                for name in self._open(f).keys():
-                    self.files[name] = f
+        self.files: dict[str, Path] = {}
         self._handles: dict[Path, object] = {}
+        if index.exists():
+            for name, f in _weight_map(index).items():
+                self.files[name] = path / f
+            return
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{path} has no *.safetensors files: it is not an HF model directory")
+        for f in files:
+            for name in self._open(f).keys():
+                if name in self.files:  # which copy is meant is unknowable: refuse rather than pick one
+                    raise CheckpointError(f"tensor {name} is in both {self.files[name].name} and {f.name}: remove "
+                                          "the stale file (or add a model.safetensors.index.json)")
+                self.files[name] = f
 
     @staticmethod
     def _open(f: Path):
@@ -130,15 +150,33 @@ class _SafetensorsDir:
             raise CheckpointError(f"cannot read tensor {name} from {f} ({e}): re-download the file") from None
 
 
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's tensor -> shard file map; every file a plain name inside the checkpoint directory."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{index} is not a JSON object ({e}): re-download it") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise CheckpointError(f"{index} has no weight_map of tensor name -> file name: re-download it, or delete "
+                              "it to read every *.safetensors file of the directory")
+    for f in set(weight_map.values()):
+        if Path(f).is_absolute() or ".." in Path(f).parts or not f.endswith(".safetensors"):
+            raise CheckpointError(f"{index} points at {f!r}, outside the checkpoint directory: refusing to read it")
+    return weight_map
+
+
 class _DictSource:
+    """Tensors already in memory (a dequantized GGUF); each is handed over once, so the caller's converted copy
+    replaces it instead of adding to it."""
+
     def __init__(self, tensors: dict[str, torch.Tensor]):
         self.tensors = tensors
 
     def names(self):
-        return self.tensors.keys()
+        return list(self.tensors)
 
     def get(self, name: str) -> torch.Tensor:
-        return self.tensors[name]
+        return self.tensors.pop(name)
 
 
 def _read_source(path: Path):
@@ -163,6 +201,34 @@ def _internal_name(name: str, vlm: bool) -> str:
     if vlm and name.startswith(_VLM_PREFIX):
         return "model." + name[len(_VLM_PREFIX) :]
     return name
+
+
+_LAYER_INDEX = re.compile(r"^(model\.layers|mtp\.layers|visual\.blocks)\.(\d+)\.")
+
+
+def _check_layer_counts(path: Path, names: list[str], raw: dict, config, vlm: bool, vision: bool) -> None:
+    """config.json's layer counts against the layers the tensor names hold, before any model is built: a config
+    claiming millions of layers fails here at once instead of after building them (on the meta device, ~3 ms
+    each)."""
+    found: dict[str, set[int]] = {"model.layers": set(), "mtp.layers": set(), "visual.blocks": set()}
+    for name in names:
+        m = _LAYER_INDEX.match(_PASSTHROUGH.sub("visual.", _internal_name(name, vlm)))
+        if m:
+            found[m[1]].add(int(m[2]))
+    want = {"model.layers": ("num_hidden_layers", config.num_hidden_layers)}
+    if config.mtp_num_hidden_layers:
+        want["mtp.layers"] = ("mtp_num_hidden_layers", config.mtp_num_hidden_layers)
+    if vision and isinstance(raw.get("vision_config"), dict):
+        depth = raw["vision_config"].get("depth")
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
+            raise CheckpointError(f"{path}: vision_config.depth must be a positive integer, not {depth!r}")
+        want["visual.blocks"] = ("vision_config.depth", depth)
+    for prefix, (key, n) in want.items():
+        have = found[prefix]
+        if not have.issuperset(range(n)):  # layers beyond n are named later, as unexpected tensors
+            held = f"layers {min(have)}-{max(have)} ({len(have)} of them)" if have else "no layers"
+            raise CheckpointError(f"{path}: config.json sets {key} = {n} but the weights hold {held} under "
+                                  f"{prefix}: check that config.json belongs to these weights")
 
 
 def _fmt(names, n=6) -> str:
@@ -196,6 +262,7 @@ def load_model(
             "no mtp.* tensors (a save through HF transformers drops them): load with mtp=False, then "
             "mtpkit.add_mtp(model) to train a new head"
         )
+    _check_layer_counts(path, names, raw, config, vlm, vision)
 
     with torch.device("meta"):
         model = _new_model(raw, config, vision)
@@ -242,22 +309,34 @@ def load_model(
             "these weights"
         )
 
+    def read(name: str) -> torch.Tensor:
+        t = source.get(name)
+        if not t.is_floating_point():
+            raise CheckpointError(f"{path}: tensor {name} holds {t.dtype}, not floating-point weights: the file is "
+                                  "quantized or corrupt (mtpkit loads unquantized safetensors)")
+        return t
+
     def convert(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device=device, dtype=dtype or t.dtype)
+        # always a copy: a tensor read from safetensors is a view of the memory-mapped file, which must not
+        # stay behind the model (a rewrite of the file would change it, a truncation would kill the process)
+        return t.to(device=device, dtype=dtype or t.dtype, copy=True)
 
     state: dict[str, torch.Tensor] = {}
     for internal, name in plan.items():
         if name.startswith("<per-expert"):
             continue
-        state[internal] = convert(source.get(name))
+        state[internal] = convert(read(name))
     for prefix, per in experts.items():
         E = len(per)
         if sorted(per) != list(range(E)) or any(len(p) != 3 for p in per.values()):
             raise CheckpointError(f"{path}: incomplete per-expert tensors under {prefix}: re-download the checkpoint")
-        state[f"{prefix}.gate_up_proj"] = convert(
-            torch.stack([torch.cat([source.get(per[e]["gate"]), source.get(per[e]["up"])]) for e in range(E)])
-        )
-        state[f"{prefix}.down_proj"] = convert(torch.stack([source.get(per[e]["down"]) for e in range(E)]))
+        try:
+            state[f"{prefix}.gate_up_proj"] = convert(
+                torch.stack([torch.cat([read(per[e]["gate"]), read(per[e]["up"])]) for e in range(E)])
+            )
+            state[f"{prefix}.down_proj"] = convert(torch.stack([read(per[e]["down"]) for e in range(E)]))
+        except RuntimeError as e:  # torch.cat / stack of experts whose shapes differ
+            raise CheckpointError(f"{path}: the per-expert tensors under {prefix} differ in shape ({e})") from None
     transposed = _untranspose_experts(state, expected, config.model_type)
     wrong = [f"{k} {tuple(v.shape)} (config expects {tuple(expected[k])})" for k, v in state.items() if v.shape != expected[k]]
     if wrong:
@@ -266,7 +345,7 @@ def load_model(
     model.checkpoint_info = CheckpointInfo(
         raw_config=raw,
         vlm_layout=vlm,
-        passthrough={n: source.get(n) for n in passthrough},
+        passthrough={n: source.get(n).clone() for n in passthrough},  # owned, not views of the file
         source=str(path),
         transposed_experts=transposed,
         per_expert=set(experts),
@@ -330,10 +409,18 @@ def hf_config_dict(model: CausalLM, dtype: torch.dtype | None = None) -> dict:
     return raw
 
 
-def save_model(model: CausalLM, out_dir, tokenizer=None, *, max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Write an HF-layout checkpoint (config.json, safetensors shards + index, tokenizer files when given)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+def save_model(model: CausalLM, out_dir, tokenizer=None, *, max_shard_bytes: int = 5 * 2**30,
+               overwrite: bool = False) -> Path:
+    """Write an HF-layout checkpoint (config.json, safetensors shards + index, tokenizer files when given).
+
+    Everything is written to a temporary sibling directory, fsynced, then moved into `out_dir`, so a crash never
+    leaves a half-written checkpoint. A non-empty `out_dir` is refused unless `overwrite=True`, which first
+    removes its old shards and index (a stale shard or index would otherwise be loaded with the new files)."""
+    return write_dir(out_dir, lambda tmp: _write_checkpoint(model, tmp, tokenizer, max_shard_bytes),
+                     overwrite=overwrite)
+
+
+def _write_checkpoint(model: CausalLM, out: Path, tokenizer, max_shard_bytes: int) -> None:
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in checkpoint_state_dict(model).items()}
     dtypes = {t.dtype for k, t in tensors.items() if t.is_floating_point() and not _PASSTHROUGH.match(k)}
     cfg = hf_config_dict(model, dtypes.pop() if len(dtypes) == 1 else None)
@@ -358,4 +445,3 @@ def save_model(model: CausalLM, out_dir, tokenizer=None, *, max_shard_bytes: int
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
-    return out

@@ -10,6 +10,8 @@ def add_parser(sub) -> None:
     p.add_argument("--mtp-only", action="store_true", help="write only the mtp.* tensors, as a head file for --mtp")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="cast the weights (default: as trained)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing output (its old shards and index are removed first)")
 
 
 def run(args) -> int:
@@ -18,6 +20,6 @@ def run(args) -> int:
     from ..train.checkpoint import export
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    out = export(args.path, args.out, dtype, mtp_only=args.mtp_only)
+    out = export(args.path, args.out, dtype, mtp_only=args.mtp_only, overwrite=args.overwrite)
     print(f"exported to {out}")
     return 0

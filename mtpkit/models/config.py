@@ -7,7 +7,10 @@ output gate, QK-norm, hybrid layers, MoE). Field names follow the HF config keys
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
+
+from ..errors import MtpkitError
 
 # text model_type -> family switches. VLM wrappers (qwen3_5, qwen3_vl, ...) resolve to their text_config.
 _FAMILIES = {
@@ -27,8 +30,84 @@ _VLM_WRAPPERS = {
 SUPPORTED_MODEL_TYPES = tuple(sorted(set(_FAMILIES) | set(_VLM_WRAPPERS)))
 
 
-class ConfigError(ValueError):
+class ConfigError(MtpkitError):
     """A config.json that mtpkit cannot build a model from."""
+
+
+# config.json is data from anywhere: every value is checked for type and range before anything is computed or
+# allocated from it, so a wrong one is a one-line error naming the key, not a traceback or a silent wrong model
+_POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")  # required
+_POSITIVE_OPT = ("max_position_embeddings", "linear_conv_kernel_dim", "full_attention_interval")  # may be absent
+# absent or null means "derive" / "none": num_key_value_heads = heads, head_dim = hidden / heads, no experts ...
+_POSITIVE_NULL = ("num_key_value_heads", "head_dim", "decoder_sparse_step")
+_COUNTS = ("intermediate_size", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+           "linear_value_head_dim")
+_COUNTS_NULL = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "shared_expert_intermediate_size", "mtp_num_hidden_layers", "num_nextn_predict_layers")
+_FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "norm_topk_prob", "attn_output_gate",
+          "use_sliding_window")
+_LAYER_TYPES = ("full_attention", "linear_attention")
+_ACTS = ("silu", "swish")  # the MLP is SwiGLU; any other activation would silently compute something else
+# no released model has more than a few hundred layers; the cap keeps a hostile config.json from making
+# mtpkit build millions of modules before any tensor is read
+MAX_LAYERS = 1024
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_values(c: dict) -> None:
+    """Types and ranges of the keys mtpkit reads, before any is used."""
+    def need(key, ok, what, nullable=False, required=False):
+        if key not in c or (nullable and c[key] is None):
+            if required:
+                raise ConfigError(f"config.json lacks the required key '{key}'")
+            return
+        if not ok(c[key]):
+            raise ConfigError(f"config.json: {key} must be {what}, not {c[key]!r}")
+
+    for key in _POSITIVE:
+        need(key, lambda v: _is_int(v) and v > 0, "a positive integer", required=True)
+    for key in _POSITIVE_OPT:
+        need(key, lambda v: _is_int(v) and v > 0, "a positive integer")
+    for key in _POSITIVE_NULL:
+        need(key, lambda v: _is_int(v) and v > 0, "a positive integer (or null)", nullable=True)
+    for key in _COUNTS:
+        need(key, lambda v: _is_int(v) and v >= 0, "an integer >= 0")
+    for key in _COUNTS_NULL:
+        need(key, lambda v: _is_int(v) and v >= 0, "an integer >= 0 (or null)", nullable=True)
+    for key in _FLAGS:
+        need(key, lambda v: isinstance(v, bool), "true or false")
+    need("rms_norm_eps", lambda v: _is_number(v) and v >= 0, "a number >= 0")
+    need("rope_theta", lambda v: _is_number(v) and v > 0, "a positive number")
+    need("partial_rotary_factor", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]", nullable=True)
+    need("hidden_act", lambda v: v in _ACTS, f"one of {', '.join(_ACTS)}")
+    need("mlp_only_layers", lambda v: isinstance(v, list) and all(_is_int(i) and i >= 0 for i in v),
+         "a list of layer indices", nullable=True)
+    need("layer_types", lambda v: isinstance(v, list) and all(t in _LAYER_TYPES for t in v),
+         f"a list of {' / '.join(_LAYER_TYPES)}", nullable=True)
+    for key in ("rope_scaling", "rope_parameters"):
+        need(key, lambda v: isinstance(v, dict), "an object", nullable=True)
+    for key in ("num_hidden_layers", "mtp_num_hidden_layers", "num_nextn_predict_layers"):
+        if _is_int(c.get(key)) and c[key] > MAX_LAYERS:
+            raise ConfigError(f"config.json: {key} = {c[key]} is implausibly large (mtpkit accepts up to "
+                              f"{MAX_LAYERS}): the file is corrupt or not a model config")
+
+
+def _check_rope(theta, partial, mrope, scaling) -> None:
+    if not _is_number(theta) or theta <= 0:
+        raise ConfigError(f"config.json: rope_theta must be a positive number, not {theta!r}")
+    if partial is not None and not (_is_number(partial) and 0 < partial <= 1):
+        raise ConfigError(f"config.json: partial_rotary_factor must be a number in (0, 1], not {partial!r}")
+    if mrope is not None and not (len(mrope) == 3 and all(_is_int(s) and s >= 0 for s in mrope)):
+        raise ConfigError(f"config.json: mrope_section must be three integers >= 0 (t, h, w), not {list(mrope)!r}")
+    if scaling and not all(_is_number(v) and v > 0 for v in scaling.values()):
+        raise ConfigError(f"config.json: the llama3 rope scaling values must be positive numbers, not {scaling!r}")
 
 
 @dataclass
@@ -93,9 +172,11 @@ class ModelConfig:
 
 def text_config_dict(raw: dict) -> tuple[dict, bool]:
     """The text part of a config.json and whether the checkpoint uses the VLM layout."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config.json must hold a JSON object, not {type(raw).__name__}")
     model_type = raw.get("model_type")
-    if model_type in _VLM_WRAPPERS:
-        if "text_config" not in raw:
+    if isinstance(model_type, str) and model_type in _VLM_WRAPPERS:
+        if not isinstance(raw.get("text_config"), dict):
             raise ConfigError(f"config.json has model_type '{model_type}' but no text_config: the file is incomplete")
         text = dict(raw["text_config"])
         text.setdefault("model_type", _VLM_WRAPPERS[model_type])
@@ -116,6 +197,8 @@ def _rope(c: dict) -> tuple[float, float, tuple[int, ...] | None, dict | None]:
     partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor"))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     mrope = rope.get("mrope_section")
+    if mrope is not None and not isinstance(mrope, list):
+        raise ConfigError(f"config.json: mrope_section must be a list of three integers, not {mrope!r}")
     scaling = None
     if rope_type == "llama3":
         scaling = {k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
@@ -128,15 +211,17 @@ def config_from_hf(raw: dict) -> ModelConfig:
     """Build a ModelConfig from a parsed config.json (top level or VLM layout)."""
     c, _ = text_config_dict(raw)
     model_type = c.get("model_type")
-    if model_type not in _FAMILIES:
+    if not isinstance(model_type, str) or model_type not in _FAMILIES:
         raise ConfigError(
-            f"model_type '{model_type}' is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     family = _FAMILIES[model_type]
+    _check_values(c)
     try:
         hidden, heads = c["hidden_size"], c["num_attention_heads"]
         n_layers = c["num_hidden_layers"]
         theta, partial, mrope, scaling = _rope(c)
+        _check_rope(theta, partial, mrope, scaling)
         if family.get("hybrid"):
             partial = 0.25 if partial is None else partial
             # Qwen3-Next uses plain 1-D RoPE; Qwen3.5 defaults to interleaved MRoPE [11, 11, 10]
@@ -199,4 +284,29 @@ def config_from_hf(raw: dict) -> ModelConfig:
         raise ConfigError(f"layer_types has {len(cfg.layer_types)} entries but num_hidden_layers is {n_layers}")
     if c.get("use_sliding_window"):
         raise ConfigError("sliding-window attention (use_sliding_window=true) is not supported")
+    _check_shapes(cfg)
     return cfg
+
+
+def _check_shapes(cfg: ModelConfig) -> None:
+    """Relations between sizes that the layers rely on."""
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ConfigError(f"config.json: num_attention_heads ({cfg.num_attention_heads}) must be a multiple of "
+                          f"num_key_value_heads ({cfg.num_key_value_heads})")
+    if cfg.rotary_dim % 2:
+        raise ConfigError(f"config.json: the rotary part of a head (head_dim {cfg.head_dim} x partial_rotary_factor "
+                          f"{cfg.partial_rotary_factor} = {cfg.rotary_dim}) must be even")
+    if "linear_attention" in cfg.layer_types:
+        if not cfg.hybrid:
+            raise ConfigError(f"config.json: layer_types has linear_attention layers, which model_type "
+                              f"'{cfg.model_type}' does not have")
+        sizes = {k: getattr(cfg, k) for k in ("linear_num_key_heads", "linear_num_value_heads",
+                                              "linear_key_head_dim", "linear_value_head_dim")}
+        if not all(sizes.values()) or sizes["linear_num_value_heads"] % sizes["linear_num_key_heads"]:
+            raise ConfigError(f"config.json: linear attention layers need positive {', '.join(sizes)} (value heads "
+                              f"a multiple of key heads), got {sizes}")
+    if cfg.num_experts and not (0 < cfg.num_experts_per_tok <= cfg.num_experts and cfg.moe_intermediate_size):
+        raise ConfigError(f"config.json: a mixture-of-experts model needs num_experts_per_tok in 1..num_experts "
+                          f"({cfg.num_experts}) and a positive moe_intermediate_size")
+    if not cfg.intermediate_size and not all(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        raise ConfigError("config.json: intermediate_size must be positive (the model has dense MLP layers)")

@@ -13,6 +13,7 @@ COMMANDS = {
     "generate": "generate_cmd",
     "train": "train_cmd",
     "export": "export_cmd",
+    "graft": "graft_cmd",
     "plot": "plot_cmd",
     "distill": "distill_cmd",
     "features": "features_cmd",

@@ -25,6 +25,8 @@ import sys
 import tempfile
 import zipfile
 
+from .errors import MtpkitError
+
 __all__ = [
     "SMOLLM2_GGUF_NAME",
     "SMOLLM2_PIP_SPEC",
@@ -43,7 +45,7 @@ _ENV_PATH = "MTPKIT_SMOLLM2_GGUF"
 _ENV_CACHE = "MTPKIT_CACHE"
 
 
-class AssetError(RuntimeError):
+class AssetError(MtpkitError):
     """The default model could not be located or fetched (message says how to fix it)."""
 
 

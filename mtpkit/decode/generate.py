@@ -178,8 +178,8 @@ def generate(
     cfg = model.config
     rows, vision = _prompt_rows(prompts, cfg.vocab_size)
     k = int(draft_tokens)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, not {max_new_tokens}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1 and an integer, not {max_new_tokens!r}")
     if k < 0:
         raise ValueError(f"draft_tokens must be >= 0, not {k}")
     if k and model.mtp is None:

@@ -6,9 +6,14 @@ every path (plain decoding, drafting, verification) goes through `probs`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass(frozen=True)
@@ -18,12 +23,14 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), not {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1 (or None for no limit), not {self.top_k}")
+        # NaN passes every comparison, so each check is written to fail for it
+        if not (_is_real(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), not {self.temperature!r}")
+        if not (_is_real(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], not {self.top_p!r}")
+        if self.top_k is not None and not (isinstance(self.top_k, int) and not isinstance(self.top_k, bool)
+                                           and self.top_k >= 1):
+            raise ValueError(f"top_k must be >= 1, an integer (or None for no limit), not {self.top_k!r}")
 
     @property
     def greedy(self) -> bool:
@@ -31,8 +38,14 @@ class SamplingParams:
 
 
 def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [..., V] -> fp32 probabilities [..., V] after temperature, top-k and top-p (nucleus) filtering."""
-    x = logits.float() / params.temperature
+    """logits [..., V] -> fp32 probabilities [..., V] after temperature, top-k and top-p (nucleus) filtering.
+
+    The largest logit is subtracted before dividing by the temperature (softmax does not change), so a tiny
+    temperature (1e-40) gives all the mass to the top token(s), as its limit, greedy, does, instead of
+    inf - inf = NaN; below fp32's smallest normal number (1.2e-38, where fp32 would round it to 0) it is already
+    that limit and is clamped there."""
+    x = logits.float()
+    x = (x - x.amax(dim=-1, keepdim=True)) / max(params.temperature, torch.finfo(torch.float32).tiny)
     if params.top_k is not None and params.top_k < x.shape[-1]:
         kth = x.topk(params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -88,7 +88,7 @@ def image_inputs(model, processor, prompt: str, images=(), chat: bool = False) -
 
 def open_images(paths) -> list:
     """RGB PIL images, with one clear error for a missing or unreadable file."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
     images = []
     for p in map(Path, paths):
@@ -97,6 +97,7 @@ def open_images(paths) -> list:
                 images.append(im.convert("RGB"))
         except FileNotFoundError:
             raise ValueError(f"image {p} does not exist") from None
-        except UnidentifiedImageError:
-            raise ValueError(f"{p} is not an image PIL can read") from None
+        # not an image, truncated ("image file is truncated"), a broken chunk (SyntaxError) or a decompression bomb
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+            raise ValueError(f"{p} is not an image PIL can read ({e})") from None
     return images

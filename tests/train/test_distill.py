@@ -2,13 +2,15 @@
 benchmark's, and records that replay the model's own greedy output."""
 
 import json
+from collections import Counter
 
 import torch
 from tiny_models import hf_model, save_hf
 
 import mtpkit
 from mtpkit.bench.speedup import DEFAULT_PROMPTS, read_prompts, resource
-from mtpkit.train.distill import _TOPICS, distill, mixed_prompts, stdlib_prompts
+from mtpkit.train.distill import distill
+from mtpkit.train.distill_prompts import TOPICS, build_prompts
 
 
 class _CharTokenizer:
@@ -21,29 +23,58 @@ class _CharTokenizer:
         return {"input_ids": [1 + ord(c) % 200 for c in text]}
 
 
-def test_stdlib_prompts_are_deterministic_and_mixed():
-    a, b = stdlib_prompts(300, seed=3), stdlib_prompts(300, seed=3)
-    assert a == b and a != stdlib_prompts(300, seed=4)
-    kinds = {p["kind"] for p in a}
-    assert kinds == {"prose", "chat", "code"}
-    assert all(p["chat"] == (p["kind"] == "chat") and p["prompt"].strip() for p in a)
-
-
-def test_mixed_prompts_cover_the_benchmarks_kinds_but_not_its_prompts():
-    prompts = mixed_prompts(2000, seed=0)
-    assert prompts == mixed_prompts(2000, seed=0)
-    counts = {k: sum(p["kind"] == k for p in prompts) for k in ("chat", "prose", "list", "code")}
+def test_prompts_are_deterministic_and_cover_many_kinds():
+    a, b = build_prompts(3000, seed=3), build_prompts(3000, seed=3)
+    assert a == b and a != build_prompts(3000, seed=4)
+    counts = Counter(p["kind"] for p in a)
+    assert set(counts) == {"chat", "prose", "list", "code", "dialogue", "self", "multiturn"}, counts
     assert all(n >= 100 for n in counts.values()), counts
+    assert all(p["prompt"].strip() for p in a if "prompt" in p)
+    assert all(p["chat"] for p in a if p["kind"] in ("self", "multiturn"))
+
+
+def test_prompts_keep_the_benchmarks_prompts_and_topics_out(tmp_path):
+    (tmp_path / "play_gut.txt").write_text("Enter the KING and his lords, talking of the weather and of war. " * 3)
+    prompts = build_prompts(4000, seed=0, literature_dir=tmp_path)
+    assert any(p["kind"] == "literature" for p in prompts)
     bench = read_prompts(resource(DEFAULT_PROMPTS))
-    assert not {p.text for p in bench} & {p["prompt"] for p in prompts}
+    texts = {p.get("prompt") or p.get("ask") for p in prompts}
+    assert not {p.text for p in bench} & texts
     # no topic of the distillation set is named in a benchmark prompt
-    assert not [t for t in _TOPICS for b in bench if t.lower() in b.text.lower()]
+    assert not [t for t in TOPICS for b in bench if t.lower() in b.text.lower()]
+
+
+class _Replier(_CharTokenizer):
+    chat_template = "x"
+
+    def apply_chat_template(self, turns, add_generation_prompt, tokenize):
+        return self("|".join(t["content"] for t in turns))
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "Why do owls hoot?\nsecond line"
+
+
+def test_self_and_multiturn_prompts_are_completed_with_the_models_words(tmp_path, monkeypatch):
+    from mtpkit.train import distill as d
+
+    monkeypatch.setattr(d, "_generate", lambda model, rows, n, eos: [[5, 6]] * len(rows))
+    raw = [{"ask": "Write one question.", "chat": True, "kind": "self"},
+           {"ask": "Explain tides.", "follow_up": "Why is that?", "chat": True, "kind": "multiturn"},
+           {"prompt": "Tides are", "chat": False, "kind": "prose"}]
+    done = d.load_or_build_prompts(None, _Replier(), tmp_path / "p.jsonl", lambda: raw)
+    assert done[0] == {"prompt": "Why do owls hoot?", "chat": True, "kind": "self"}
+    assert [t["content"] for t in done[1]["prompt"]] == ["Explain tides.", "Why do owls hoot?\nsecond line",
+                                                        "Why is that?"]
+    assert done[2] == raw[2]
+    # a resumed run reads the same list back and never calls the model
+    monkeypatch.setattr(d, "_generate", None)
+    assert d.load_or_build_prompts(None, _Replier(), tmp_path / "p.jsonl", lambda: raw) == done
 
 
 def test_distill_records_are_the_models_greedy_output(tmp_path):
     save_hf(hf_model("qwen3"), tmp_path / "m")
     model = mtpkit.load_model(tmp_path / "m")
-    prompts = [p for p in stdlib_prompts(40, seed=0) if not p["chat"]][:5]
+    prompts = [p for p in build_prompts(60, seed=0) if not p["chat"]][:5]
     info = distill(model, _CharTokenizer(), prompts, tmp_path / "d.jsonl", max_new_tokens=6, batch_size=2)
     records = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
     assert info["samples"] == len(records) == 5
@@ -56,3 +87,20 @@ def test_distill_records_are_the_models_greedy_output(tmp_path):
             for t in r["input_ids"][n_prompt:]:
                 assert model(torch.tensor([ids])).logits[0, -1].argmax().item() == t
                 ids.append(t)
+
+
+def test_distill_resumes_after_a_kill_without_repeating_or_losing_a_sample(tmp_path):
+    save_hf(hf_model("qwen3"), tmp_path / "m")
+    model = mtpkit.load_model(tmp_path / "m")
+    prompts = [p for p in build_prompts(80, seed=1) if not p["chat"]][:6]
+    out = tmp_path / "d.jsonl"
+    distill(model, _CharTokenizer(), prompts, tmp_path / "full.jsonl", max_new_tokens=4, batch_size=2)
+    full = {json.loads(line)["index"]: line for line in (tmp_path / "full.jsonl").read_text().splitlines()}
+    first = list(full.values())[:3]
+    out.write_text("\n".join(first) + "\n" + first[0][:10])  # three records, then a torn line from a kill
+    info = distill(model, _CharTokenizer(), prompts, out, max_new_tokens=4, batch_size=2)
+    lines = out.read_text().splitlines()
+    assert sorted(json.loads(line)["index"] for line in lines) == list(range(6))
+    assert {json.loads(line)["index"]: line for line in lines} == full  # the same records as one clean run
+    assert info["tokens"] == sum(sum(json.loads(full[i])["loss_mask"]) for i in full) - sum(
+        sum(json.loads(line)["loss_mask"]) for line in first)

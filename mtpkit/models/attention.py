@@ -30,12 +30,13 @@ class Attention(nn.Module):
     def forward(self, x, rope, mask=None, kv_cache=None, cache_positions=None):
         """x [B, T, H]; rope = (cos, sin) [B, T, r]; mask: bool [B, 1, T, S] (True = attend) or None for causal."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, -1)
+        # head counts come from the shapes (-1): under tensor parallelism the projections hold this rank's heads
+        q = self.q_proj(x).view(B, T, -1, self.head_dim * (2 if self.gated else 1))
         if self.gated:
             q, gate = q.chunk(2, dim=-1)
             gate = gate.reshape(B, T, -1)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
@@ -43,7 +44,7 @@ class Attention(nn.Module):
             k, v = kv_cache.update(cache_positions, k, v, mask.shape[-1])  # [B, S, n_kv, D], S = slots attended
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T|S, D)
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_heads != self.n_kv
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1]
         )
         o = o.transpose(1, 2).reshape(B, T, -1)
         if self.gated:

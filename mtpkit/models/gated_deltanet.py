@@ -68,17 +68,18 @@ class GatedDeltaNet(nn.Module):
             self.A_log.copy_(torch.empty(self.hv).uniform_(1.0, 16.0).log())
 
     def _project(self, x: torch.Tensor):
-        """-> qkv [B, T, conv_dim] ordered [q | k | v], z [B, T, Hv, dv], b and a [B, T, Hv]."""
+        """-> qkv [B, T, conv_dim] ordered [q | k | v], z [B, T, Hv, dv], b and a [B, T, Hv]. Head counts come from
+        the shapes (-1): under tensor parallelism the projections hold this rank's heads."""
         B, T, _ = x.shape
         if not self.fused:
-            z = self.in_proj_z(x).view(B, T, self.hv, self.dv)
+            z = self.in_proj_z(x).view(B, T, -1, self.dv)
             return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
         r = self.hv // self.hk  # value heads per key head; rows are grouped per key head
-        qkvz = self.in_proj_qkvz(x).view(B, T, self.hk, 2 * self.dk + 2 * r * self.dv)
+        qkvz = self.in_proj_qkvz(x).view(B, T, -1, 2 * self.dk + 2 * r * self.dv)
         q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
-        b, a = self.in_proj_ba(x).view(B, T, self.hk, 2 * r).split([r, r], dim=-1)
+        b, a = self.in_proj_ba(x).view(B, T, -1, 2 * r).split([r, r], dim=-1)
         qkv = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
-        return qkv, z.reshape(B, T, self.hv, self.dv), b.reshape(B, T, self.hv), a.reshape(B, T, self.hv)
+        return qkv, z.reshape(B, T, -1, self.dv), b.reshape(B, T, -1), a.reshape(B, T, -1)
 
     def forward(self, x: torch.Tensor, state=None, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, H]. `state` (a decode.cache.GDNState) carries conv and recurrent state across calls;
@@ -95,12 +96,14 @@ class GatedDeltaNet(nn.Module):
             conv_in = None if state is None else state.conv
             y, conv_out = causal_conv1d(qkv_t, weight, initial_state=conv_in)
             qkv = y.transpose(1, 2)
-        n = qkv.shape[0]
-        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q, k = q.reshape(n, -1, self.hk, self.dk), k.reshape(n, -1, self.hk, self.dk)
-        v = v.reshape(n, -1, self.hv, self.dv)
-        beta = torch.sigmoid(b).reshape(n, -1, self.hv)
-        g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)).reshape(n, -1, self.hv)
+        n, L = qkv.shape[:2]
+        hv = b.shape[-1]  # value heads here: all of them, or this rank's under tensor parallelism
+        hk = hv * self.hk // self.hv
+        q, k, v = qkv.split([hk * self.dk, hk * self.dk, hv * self.dv], dim=-1)
+        q, k = q.reshape(n, L, hk, self.dk), k.reshape(n, L, hk, self.dk)
+        v = v.reshape(n, L, hv, self.dv)
+        beta = torch.sigmoid(b).reshape(n, L, hv)
+        g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)).reshape(n, L, hv)
 
         if state is None:
             o, _ = gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens)
@@ -113,5 +116,5 @@ class GatedDeltaNet(nn.Module):
             state.conv.copy_(conv_out)
             state.recurrent.copy_(final)
 
-        o = self.norm(o.reshape(B, T, self.hv, self.dv), z)
+        o = self.norm(o.reshape(B, T, hv, self.dv), z)
         return self.out_proj(o.reshape(B, T, -1))

@@ -1,6 +1,7 @@
-"""Activation checkpointing, torch.compile and FSDP2, applied to a single-device CausalLM from outside, per block,
-in torchtitan's order (AC, then compile, then FSDP). The blocks are the trunk's decoder layers and the MTP
-module's decoder layers; the model code never knows it is wrapped.
+"""Tensor parallelism, activation checkpointing, torch.compile and FSDP2, applied to a single-device CausalLM from
+outside, per block, in torchtitan's order (TP, then AC, then compile, then FSDP on the data-parallel mesh). The
+blocks are the trunk's decoder layers and the MTP module's decoder layers; the model code never knows it is
+wrapped.
 """
 
 from __future__ import annotations
@@ -68,7 +69,14 @@ def apply_fsdp(model, mesh, *, param_dtype: torch.dtype | None = None, reduce_dt
 
 
 def parallelize(model, dist, cfg_parallel, param_dtype: torch.dtype | None = None) -> nn.Module:
-    """Apply what the config asks for, in order: AC, compile, FSDP (on when launched with several ranks)."""
+    """Apply what the config asks for, in order: TP (parallel.tp > 1), AC, compile, FSDP (on when launched with
+    several ranks; with TP it shards over the "dp" mesh dimension, even of size 1, and reduces the gradients of
+    tp-replicated weights)."""
+    if dist.tp > 1:
+        from .tp import apply_tp
+
+        apply_tp(model, dist.tp_mesh)
+        logger.info("tensor parallelism over %d ranks (x %d data-parallel)", dist.tp, dist.dp_world)
     apply_ac(model, cfg_parallel.ac)
     if cfg_parallel.compile:
         apply_compile(model)
@@ -80,6 +88,7 @@ def parallelize(model, dist, cfg_parallel, param_dtype: torch.dtype | None = Non
             if not torch.distributed.is_initialized():
                 raise ValueError("parallel.fsdp = 'on' needs a torchrun launch (or an initialised process group)")
             dist.mesh = init_device_mesh(dist.device.type, (dist.world,), mesh_dim_names=("dp",))
-        apply_fsdp(model, dist.mesh, param_dtype=param_dtype, reshard_after_forward=cfg_parallel.reshard_after_forward)
-        logger.info("FSDP2 over %d ranks: %d blocks sharded", dist.world, len(_blocks(model)))
+        apply_fsdp(model, dist.dp_mesh, param_dtype=param_dtype,
+                   reshard_after_forward=cfg_parallel.reshard_after_forward)
+        logger.info("FSDP2 over %d ranks: %d blocks sharded", dist.dp_world, len(_blocks(model)))
     return model

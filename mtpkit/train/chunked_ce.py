@@ -8,6 +8,7 @@ turns them into gradients at once, so peak memory is O(chunk x V) whatever N and
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor, Partial, Shard
 
 
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
@@ -21,50 +22,101 @@ def _chunk_logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (h.to(w.dtype) @ w.T).to(torch.promote_types(w.dtype, torch.float32))
 
 
+class _VocabShard:
+    """The rows of the output weight held here: all of them on one device; under tensor parallelism (a DTensor
+    sharded on the vocabulary, mtpkit.parallel.tp) this rank's [V/tp, H] slice, with per-token statistics reduced
+    over the shards (Megatron-LM's vocabulary-parallel cross-entropy: a max, two sums and a min of [chunk] vectors
+    per chunk instead of gathering [chunk, V] logits)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.dtensor = isinstance(weight, DTensor)
+        self.weight = weight.to_local() if self.dtensor else weight
+        self.vocab = weight.shape[0]
+        self.offset = 0
+        if self.dtensor:
+            if weight.placements != (Shard(0),) or self.vocab % weight.device_mesh.size():
+                raise ValueError(f"a DTensor output weight must be sharded evenly on the vocabulary (Shard(0)), not "
+                                 f"{weight.placements} over {self.vocab} rows")
+            self.mesh, self.placements = weight.device_mesh, weight.placements
+            self.offset = self.mesh.get_local_rank() * self.weight.shape[0]
+
+    def reduce(self, x: torch.Tensor, op: str) -> torch.Tensor:
+        if not self.dtensor:
+            return x
+        return DTensor.from_local(x, self.mesh, [Partial(op)], run_check=False).full_tensor()
+
+    def as_weight_grad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if not self.dtensor:
+            return grad
+        return DTensor.from_local(grad, self.mesh, self.placements, run_check=False, shape=weight.shape,
+                                  stride=weight.stride())
+
+    def targets(self, t: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(column of each target in the local logits, clamped; whether the target is a valid row held here)."""
+        local = t - self.offset
+        here = valid & (local >= 0) & (local < self.weight.shape[0])
+        return local.clamp(0, self.weight.shape[0] - 1), here
+
+
 class _ChunkedCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk: int, ignore_index: int):
         dtype = _compute_dtype(hidden)
+        shard = _VocabShard(weight)
         with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(dtype)
+            w = shard.weight.to(dtype)
             loss_sum = hidden.new_zeros((), dtype=torch.promote_types(dtype, torch.float32))
             n_valid = torch.zeros((), dtype=torch.long, device=hidden.device)
             n_correct = torch.zeros_like(n_valid)
+            lse = []
             for s in range(0, hidden.shape[0], chunk):
-                logits = _chunk_logits(hidden[s : s + chunk], w)
+                logits = _chunk_logits(hidden[s : s + chunk], w)  # [c, V] (here: [c, V/tp])
                 t = targets[s : s + chunk]
                 valid = t != ignore_index
-                tc = t.clamp(min=0)  # ignored rows gather any column, then get masked out
-                nll = logits.logsumexp(-1) - logits.gather(1, tc[:, None])[:, 0]
-                loss_sum += torch.where(valid, nll, 0.0).sum()
+                col, here = shard.targets(t, valid)
+                local_top, arg = logits.max(-1)
+                top = shard.reduce(local_top, "max")
+                sums = shard.reduce(torch.stack([(logits - top[:, None]).exp().sum(-1),
+                                                 torch.where(here, logits.gather(1, col[:, None])[:, 0], 0.0)]), "sum")
+                lse.append(top + sums[0].log())
+                loss_sum += torch.where(valid, lse[-1] - sums[1], 0.0).sum()
                 n_valid += valid.sum()
-                n_correct += (valid & (logits.argmax(-1) == tc)).sum()
-        ctx.save_for_backward(hidden, weight, targets)
+                # the first maximal column over the whole vocabulary, as argmax picks it
+                first = shard.reduce(torch.where(local_top == top, arg + shard.offset, shard.vocab), "min")
+                n_correct += (valid & (first == t)).sum()
+        ctx.save_for_backward(hidden, weight, targets, torch.cat(lse) if lse else hidden.new_zeros(0))
         ctx.chunk, ctx.ignore_index, ctx.dtype = chunk, ignore_index, dtype
         ctx.mark_non_differentiable(n_valid, n_correct)
         return loss_sum, n_valid, n_correct
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_valid, _grad_correct):
-        hidden, weight, targets = ctx.saved_tensors
+        hidden, weight, targets, lse = ctx.saved_tensors
+        shard = _VocabShard(weight)
         need_h, need_w = ctx.needs_input_grad[:2]
         grad_h = torch.zeros_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32)) if need_w else None
+        grad_w = torch.zeros_like(shard.weight, dtype=torch.promote_types(shard.weight.dtype, torch.float32)) \
+            if need_w else None
         with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(ctx.dtype)
+            w = shard.weight.to(ctx.dtype)
             for s in range(0, hidden.shape[0], ctx.chunk):
                 h = hidden[s : s + ctx.chunk]
                 t = targets[s : s + ctx.chunk]
-                valid = (t != ctx.ignore_index)[:, None]
+                valid = t != ctx.ignore_index
+                col, here = shard.targets(t, valid)
                 # d(sum of nll)/d(logits) = softmax - onehot(target), zero on ignored rows
-                g = _chunk_logits(h, w).softmax(-1)
-                g = g.scatter_add_(1, t.clamp(min=0)[:, None], -valid.to(g.dtype))
-                g = (g * (valid * grad_loss)).to(ctx.dtype)  # [c, V]
+                g = (_chunk_logits(h, w) - lse[s : s + ctx.chunk, None]).exp()
+                g = g.scatter_add_(1, col[:, None], -here[:, None].to(g.dtype))
+                g = (g * (valid[:, None] * grad_loss)).to(ctx.dtype)  # [c, V] (here: [c, V/tp])
                 if need_h:
-                    grad_h[s : s + ctx.chunk] = g @ w
+                    grad_h[s : s + ctx.chunk] = g @ w  # a partial sum over the vocabulary shards
                 if need_w:
                     grad_w += g.T @ h.to(ctx.dtype)
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+        if need_h:
+            grad_h = shard.reduce(grad_h, "sum")
+        if need_w:
+            grad_w = shard.as_weight_grad(grad_w.to(weight.dtype), weight)
+        return grad_h, grad_w, None, None, None
 
 
 def chunked_cross_entropy(

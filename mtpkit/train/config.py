@@ -107,6 +107,8 @@ class CheckpointSection:
 
 @dataclass
 class ParallelSection:
+    dp_shard: int = -1  # data-parallel (FSDP2) replicas; -1: the torchrun world size / tp
+    tp: int = 1  # tensor-parallel degree: heads, intermediate dims and vocabulary sharded (world = dp_shard x tp)
     fsdp: str = "auto"  # "auto" (when launched with several ranks) | "on" | "off"
     reshard_after_forward: bool = True
     ac: str = "none"  # activation checkpointing per block: "none" | "full"
@@ -300,6 +302,17 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigKeyError("train.eval_every needs held-out documents: set data.val_docs")
     if cfg.log.every < 1:
         raise ConfigKeyError("log.every must be >= 1")
+    if cfg.parallel.tp < 1 or cfg.parallel.dp_shard == 0 or cfg.parallel.dp_shard < -1:
+        raise ConfigKeyError("parallel.tp must be >= 1 and parallel.dp_shard >= 1 (or -1: world size / tp)")
+    if cfg.parallel.tp > 1 and cfg.parallel.fsdp == "off":
+        raise ConfigKeyError("parallel.tp > 1 needs FSDP2 on the data-parallel mesh (it reduces the gradients of "
+                             "tp-replicated weights): set parallel.fsdp = 'auto'")
+    if cfg.parallel.tp > 1 and cfg.data.images:
+        raise ConfigKeyError("parallel.tp > 1 supports text models (the vision tower has no tensor-parallel plan): "
+                             "set parallel.tp = 1 for image data")
+    if cfg.parallel.tp > 1 and (cfg.mtp.head_loss == "soft" or cfg.mtp.draft_vocab):
+        raise ConfigKeyError("parallel.tp > 1 computes the hard CE over vocabulary shards only: use "
+                             "mtp.head_loss = 'hard' and mtp.draft_vocab = 0, or parallel.tp = 1")
 
 
 def _toml_value(v: Any) -> str:

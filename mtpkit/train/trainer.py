@@ -156,7 +156,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         t = cfg.train
-        self.dist = init_distributed(t.device)
+        self.dist = init_distributed(t.device, cfg.parallel.tp, cfg.parallel.dp_shard)
         self.device = self.dist.device
         if not self.dist.is_main:  # one copy of the info lines, from rank 0
             logger.setLevel(logging.WARNING)
@@ -184,8 +184,9 @@ class Trainer:
             data.store.check_model(model)
         if cfg.mtp.draft_vocab:
             self.loss_cfg.draft_vocab = draft_vocabulary(data.target_ids(), cfg.mtp.draft_vocab, model.config.vocab_size)
-        self.loader = DataLoader(data, t.batch_size, self.dist.rank, self.dist.world)
-        per_rank = t.batch_size // self.dist.world
+        # data-parallel replicas take different rows; the tp ranks of one replica take the same ones
+        self.loader = DataLoader(data, t.batch_size, self.dist.dp_rank, self.dist.dp_world)
+        per_rank = t.batch_size // self.dist.dp_world
         self.micro = t.micro_batch_size or per_rank
         if per_rank % self.micro:
             raise ValueError(f"the per-rank batch ({per_rank} rows) is not divisible by train.micro_batch_size "
@@ -266,7 +267,9 @@ class Trainer:
         with torch.set_grad_enabled(train):
             for mb in micros:
                 with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-                    out = compute_loss(self.model, mb, self.loss_cfg, step, token_counts)
+                    # on stored features the main CE is a constant of the data: computed in evaluation only
+                    out = compute_loss(self.model, mb, self.loss_cfg, step, token_counts,
+                                       with_main=not (train and self.cfg.data.mode == "features"))
                 if train:
                     out.loss.backward()
                 loss_sum += float(out.loss.detach())
@@ -283,10 +286,10 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Main/MTP loss and MTP accuracy on the first train.eval_rows held-out rows (the same every time)."""
-        val, world = self.loader.data.val, self.dist.world
+        val, world = self.loader.data.val, self.dist.dp_world
         n = min(self.cfg.train.eval_rows, val.rows_per_epoch)
         per = max(n // world, 1)  # every rank evaluates the same number of rows (FSDP runs them together)
-        rows = val.rows(self.dist.rank * per, per)
+        rows = val.rows(self.dist.dp_rank * per, per)
         _, main, mtp, acc = self._run(self._micro_batches(rows), max(self.step - 1, 0), train=False)
         D = self.cfg.mtp.depth
         return {"val_main_loss": main, "val_mtp_loss": (mtp + [None] * D)[:D], "val_mtp_acc": (acc + [None] * D)[:D],

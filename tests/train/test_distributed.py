@@ -20,14 +20,14 @@ def _torchrun(args, cwd, timeout=240):
     return proc
 
 
-def _close(a: list[dict], b: list[dict], rel=2e-5):
+def _close(a: list[dict], b: list[dict], rel=2e-5, grad_rel=1e-4):
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b):
         for key in ("loss", "main_loss"):
             assert ra[key] == pytest.approx(rb[key], rel=rel, abs=1e-6), (ra["step"], key)
         assert ra["mtp_loss"] == pytest.approx(rb["mtp_loss"], rel=rel, abs=1e-6), ra["step"]
         assert ra["mtp_acc"] == pytest.approx(rb["mtp_acc"], abs=1e-9), ra["step"]
-        assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-4), ra["step"]
+        assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=grad_rel), ra["step"]
 
 
 def test_fsdp2_two_ranks_match_one_rank(tmp_path):

@@ -1,18 +1,24 @@
-"""Decode micro-benchmark: what one verification step costs against one decode step, and plain decoding
+"""Decode micro-benchmark: step costs against the memory-bandwidth bound, per dtype, and plain decoding
 against transformers' `generate()`.
 
-    python -m mtpkit.bench.decode_step [--model PATH] [--k 1,2,3,4] [--repeats N] [--threads T]
+    python -m mtpkit.bench.decode_step [--model PATH] [--dtypes float32,bfloat16] [--k 1,2,3] [--threads T]
 
-Table 1, per model (SmolLM2-135M, the default GGUF, and a Qwen3.5-0.8B-shaped model with random weights cut
-to its first 8 layers, pattern kept): median ms of a 1-token decode forward (with plain F.linear for reference,
-then with the thin-matmul path generate() uses on CPU, see decode/cpu_matmul.py), of a (k+1)-token verify forward
-(GDN history kept, as in speculative decoding), of drafting k tokens with the MTP head (its forward over the
-k+1 verified rows, k-1 chained steps, k draft projections) over the full vocabulary and over a reduced draft
-vocabulary, and the mean acceptance length at which speculation breaks even:
+Table 0: this machine's memory bandwidth, measured in the same run: a 256 MB copy (read + write) and a 512 MB
+sum (read only). Decoding reads every weight once per step, so bytes of weights / read bandwidth bounds a step.
+
+Table 1, per model and dtype (SmolLM2-135M, the default GGUF, and a Qwen3.5-0.8B-shaped model with random
+weights cut to its first 8 layers, pattern kept): median ms of a 1-token decode forward with the routing
+generate() uses (decode/matmul_routing.py), with plain F.linear, and with the best single routing candidate used
+for every layer; bytes read per step, achieved GB/s and the fraction of the read bandwidth; a (k+1)-token verify
+forward (GDN history kept, as in speculative decoding) and its ratio to a decode; drafting k tokens with the MTP
+head (its forward over the k+1 verified rows, k-1 chained steps, k draft projections) over the full and a
+reduced draft vocabulary; and the mean acceptance length at which speculation breaks even:
 (verify + draft) / decode. SmolLM2 has no MTP head, so a random one is added (its cost is what counts here).
 
-Table 2: plain greedy decoding tokens/s, mtpkit vs `AutoModelForCausalLM.generate()` (fp32, same threads,
-same prompt and number of new tokens, runs interleaved, median).
+Table 2: the routing measurements behind table 1 (ms per candidate and the choice, per row count and shape).
+
+Table 3: plain greedy decoding tokens/s, mtpkit vs `AutoModelForCausalLM.generate()` in the same dtype (same
+threads, prompt and number of new tokens, runs interleaved, median).
 """
 
 from __future__ import annotations
@@ -26,9 +32,10 @@ import torch
 
 from ..decode import speculative as spec
 from ..decode.cache import Cache
-from ..decode.cpu_matmul import thin_matmuls
 from ..decode.generate import generate
+from ..decode.matmul_routing import MatmulRouter, candidates, router_for
 from ..decode.sampling import SamplingParams
+from ..kernels.linear import routed_linears
 
 # Qwen3.5-0.8B's text config (docs/qwen-architecture.md), 8 of its 24 layers
 QWEN35_08B_8L = dict(
@@ -51,21 +58,42 @@ def median_ms(fn, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def bandwidth_gbs() -> dict:
+    """GB/s of a 256 MB copy (bytes read + written) and of a 512 MB sum (bytes read), medians of 5."""
+    src, dst = torch.empty(64 << 20), torch.empty(64 << 20)  # 256 MB each, fp32
+    src.normal_()
+    big = torch.ones(128 << 20)  # 512 MB
+    copy = median_ms(lambda: dst.copy_(src), 5)
+    read = median_ms(lambda: big.sum(), 5)
+    return {"copy": 2 * src.nbytes / copy / 1e6, "read": big.nbytes / read / 1e6}
+
+
+def weight_bytes(model) -> int:
+    """Bytes a decode step reads: every weight the step multiplies by (the embedding row aside)."""
+    router = router_for(model)
+    return sum(w.nbytes for w in {w.data_ptr(): w for w in router.weights()}.values())
+
+
 @torch.inference_mode()
 def step_costs(model, ks, repeats: int, context: int, draft_vocab: int) -> list[dict]:
     """Median ms of decode / verify / drafting forwards at `context` tokens of prompt."""
     cfg = model.config
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (1, context + max(ks) + 2), generator=gen)
-    cache = Cache(cfg, 1, context + max(ks) + 3)
+    cache = Cache(cfg, 1, context + max(ks) + 3, model.output_weight.dtype)
     pos = torch.arange(ids.shape[1])[None]
     model(ids[:, :context], positions=pos[:, :context], cache=cache, return_logits=False)
 
     def decode():
         model(ids[:, context : context + 1], positions=pos[:, context : context + 1], cache=cache)
 
-    one_plain = median_ms(decode, repeats)  # for reference: every linear layer through F.linear
-    with thin_matmuls(model):  # as generate() runs them
+    one_plain = median_ms(decode, repeats)  # every linear layer through F.linear
+    single = {}
+    for how in candidates(1):  # each candidate alone for every layer
+        with routed_linears(MatmulRouter(router_for(model).weights, force=how)):
+            single["{}@{}".format(*how)] = median_ms(decode, repeats)
+    best = min(single, key=single.get)
+    with routed_linears(router_for(model)):  # as generate() runs them
         one = median_ms(decode, repeats)
         greedy = SamplingParams()
         heads = {"full": spec.DraftHead(model, greedy),
@@ -87,7 +115,8 @@ def step_costs(model, ks, repeats: int, context: int, draft_vocab: int) -> list[
                                     context)[:, 0]
                 spec.draft(model, cache, m, start + 1, delta, context + 1, k, head, None)
 
-            row = {"k": k, "decode_plain": one_plain, "decode": one, "verify": median_ms(verify, repeats)}
+            row = {"k": k, "decode_plain": one_plain, "decode": one, "best_single": single[best],
+                   "best_single_name": best, "verify": median_ms(verify, repeats)}
             for name, head in heads.items():
                 row[name] = median_ms(lambda: drafting(head), repeats)
             row["break_even"] = (row["verify"] + row["full"]) / one
@@ -116,33 +145,47 @@ def tokens_per_second(model, hf_model, prompt: list[int], new_tokens: int, runs:
     return ours, theirs, same
 
 
-def print_step_table(models: dict, args, ks) -> None:
-    print(f"threads {args.threads}, context {args.context} tokens, median of {args.repeats}, fp32, "
-          f"reduced draft vocab {args.draft_vocab} ids\n")
-    cols = ["k", "F.linear 1", "decode 1", "verify k+1", "ratio", "draft k", "draft k/sub", "break-even", "b-e/sub"]
-    print(f"{'model':<40}" + "".join(f"{c:>12}" for c in cols))
+def print_step_table(models: dict, args, ks, bw: dict) -> None:
+    print(f"threads {args.threads}, context {args.context} tokens, median of {args.repeats}, "
+          f"reduced draft vocab {args.draft_vocab} ids; read bandwidth {bw['read']:.1f} GB/s\n")
+    cols = ["k", "F.linear", "best 1", "decode", "MB/step", "GB/s", "% read", "verify", "ratio", "draft",
+            "draft/sub", "b-even", "b-e/sub"]
+    print(f"{'model':<44}" + "".join(f"{c:>10}" for c in cols))
     for name, model in models.items():
+        mb = weight_bytes(model) / 1e6
         for r in step_costs(model, ks, args.repeats, args.context, args.draft_vocab):
-            cells = [str(r["k"]), *(f"{r[c]:.1f}ms" for c in ("decode_plain", "decode", "verify")),
-                     f"{r['verify'] / r['decode']:.2f}",
-                     *(f"{r[c]:.1f}ms" for c in ("full", "subset")), f"{r['break_even']:.2f}",
-                     f"{r['break_even_subset']:.2f}"]
-            print(f"{name:<40}" + "".join(f"{c:>12}" for c in cells))
+            gbs = mb / r["decode"]
+            cells = [str(r["k"]), *(f"{r[c]:.1f}" for c in ("decode_plain", "best_single", "decode")), f"{mb:.0f}",
+                     f"{gbs:.1f}", f"{100 * gbs / bw['read']:.0f}%", f"{r['verify']:.1f}",
+                     f"{r['verify'] / r['decode']:.2f}", *(f"{r[c]:.1f}" for c in ("full", "subset")),
+                     f"{r['break_even']:.2f}", f"{r['break_even_subset']:.2f}"]
+            print(f"{name:<44}" + "".join(f"{c:>10}" for c in cells))
+        r0 = r
+        print(f"{'':<44}  best single candidate: {r0['best_single_name']}; routed / best single = "
+              f"{r0['decode'] / r0['best_single']:.2f} (times in ms)")
 
 
-def print_hf_comparison(model, path: pathlib.Path, args) -> None:
+def print_routing_table(models: dict) -> None:
+    print("\nrouting measurements (ms summed over the model's weights of each shape; * = chosen)")
+    for name, model in models.items():
+        for row in router_for(model).table():
+            cells = "  ".join(f"{c}{'*' if c == row['choice'] else ''} {t:.2f}" for c, t in row["ms"].items())
+            print(f"  {name[:24]:<24} {row['dtype']:<9} rows {row['rows']}  {str(row['shape']):<14} {cells}")
+
+
+def print_hf_comparison(model, path: pathlib.Path, args, dtype) -> None:
     import transformers
 
     from .speedup import load_hf_baseline
 
     transformers.logging.set_verbosity_error()
-    hf = load_hf_baseline(path)
+    hf = load_hf_baseline(path, dtype)
     prompt = [1] + list(range(1000, 1000 + args.context - 1))
     ours, theirs, same = tokens_per_second(model, hf, prompt, args.new_tokens, args.runs)
     med = {name: {key: statistics.median(v) for key, v in r.items() if key != "tokens"}
            for name, r in (("mtpkit", ours), ("transformers", theirs))}
-    print(f"\nplain greedy decoding, SmolLM2-135M, {len(prompt)}-token prompt, {args.new_tokens} new tokens, "
-          f"median of {args.runs} interleaved runs (prefill included)")
+    print(f"\nplain greedy decoding, SmolLM2-135M {str(dtype).removeprefix('torch.')}, {len(prompt)}-token prompt, "
+          f"{args.new_tokens} new tokens, median of {args.runs} interleaved runs (prefill included)")
     for name, r in (("mtpkit", ours), ("transformers", theirs)):
         runs = ", ".join(f"{x:.2f}" for x in r["tps"])
         print(f"{name + ' generate':<22} {med[name]['tps']:>7.2f} tokens/s {med[name]['cpu']:>7.1f} CPU ms/token"
@@ -154,7 +197,8 @@ def print_hf_comparison(model, path: pathlib.Path, args) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m mtpkit.bench.decode_step", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="SmolLM2-style .gguf (default: the bundled SmolLM2-135M-Instruct)")
-    ap.add_argument("--k", default="1,2,3,4", help="draft lengths to time (comma-separated)")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes to measure")
+    ap.add_argument("--k", default="1,2,3", help="draft lengths to time (comma-separated)")
     ap.add_argument("--repeats", type=int, default=10, help="timed repeats per step (median reported)")
     ap.add_argument("--context", type=int, default=128, help="tokens in the cache before the timed steps")
     ap.add_argument("--draft-vocab", type=int, default=4096, help="size of the reduced draft vocabulary")
@@ -171,15 +215,22 @@ def main(argv=None) -> None:
     from ..models.mtp import add_mtp
 
     path = pathlib.Path(args.model or default_gguf_path())
-    smol = add_mtp(load_model(path, mtp=False), 1)
-    models = {"SmolLM2-135M (+ random MTP)": smol}
-    if not args.skip_qwen:
-        torch.manual_seed(0)
-        models["Qwen3.5-0.8B shape, 8 layers (random)"] = build_model(QWEN35_08B_8L)
-    print_step_table(models, args, [int(k) for k in args.k.split(",")])
-    models.clear()  # frees the Qwen-shaped model before transformers loads its copy of SmolLM2
-    if not args.skip_hf:
-        print_hf_comparison(smol, path, args)
+    ks = [int(k) for k in args.k.split(",")]
+    bw = bandwidth_gbs()
+    print(f"memory bandwidth: copy {bw['copy']:.1f} GB/s (read + write), read {bw['read']:.1f} GB/s\n")
+    for name in args.dtypes.split(","):
+        dtype = getattr(torch, name.strip())
+        smol = add_mtp(load_model(path, mtp=False), 1).to(dtype)
+        models = {f"SmolLM2-135M (+ random MTP) {name}": smol}
+        if not args.skip_qwen:
+            torch.manual_seed(0)
+            models[f"Qwen3.5-0.8B shape, 8 layers {name}"] = build_model(QWEN35_08B_8L).to(dtype)
+        print_step_table(models, args, ks, bw)
+        print_routing_table(models)
+        models.clear()  # frees the Qwen-shaped model before transformers loads its copy of SmolLM2
+        if not args.skip_hf:
+            print_hf_comparison(smol, path, args, dtype)
+        print()
 
 
 if __name__ == "__main__":

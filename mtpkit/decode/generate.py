@@ -20,7 +20,8 @@ import torch
 from ..models.vlm import VISION_INPUTS
 from . import speculative as spec
 from .cache import Cache
-from .cpu_matmul import thin_matmuls
+from ..kernels.linear import routed_linears
+from .matmul_routing import router_for
 from .sampling import SamplingParams, select
 
 
@@ -198,7 +199,7 @@ def generate(
     head = spec.DraftHead(model, params, draft_vocab, draft_min_prob) if k else None
 
     book = _Bookkeeper(len(rows), k, max_new_tokens, eos, on_tokens)
-    with thin_matmuls(model):
+    with routed_linears(router_for(model)):
         return _decode(model, rows, vision, book, params, generator, head)
 
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-from .cpu_matmul import thin_linear
+from ..kernels.linear import linear
 from .sampling import SamplingParams, probs, sample
 
 
@@ -62,7 +62,7 @@ class DraftHead:
     def __call__(self, hidden: torch.Tensor, generator):
         """MTP output [B, H] -> draft ids [B], q [B, V] over the full vocabulary (None when greedy) and, when
         gating, whether each row's draft is confident enough to draft on after it [B] bool (else None)."""
-        logits = thin_linear(hidden, self.weight)  # [B, V or N]
+        logits = linear(hidden, self.weight)  # [B, V or N]
         if self.params.greedy:
             idx = logits.argmax(dim=-1)
             sure = None

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.linear import Linear
 from .config import ModelConfig
 from .layers import RMSNorm, apply_rotary
 
@@ -17,10 +18,10 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
         self.gated = config.attn_output_gate
         # with the output gate, q_proj yields per head [q_h | gate_h] (not [Q | G])
-        self.q_proj = nn.Linear(h, self.n_heads * d * (2 if self.gated else 1), bias=config.qkv_bias)
-        self.k_proj = nn.Linear(h, self.n_kv * d, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(h, self.n_kv * d, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * d, h, bias=config.o_bias)
+        self.q_proj = Linear(h, self.n_heads * d * (2 if self.gated else 1), bias=config.qkv_bias)
+        self.k_proj = Linear(h, self.n_kv * d, bias=config.qkv_bias)
+        self.v_proj = Linear(h, self.n_kv * d, bias=config.qkv_bias)
+        self.o_proj = Linear(self.n_heads * d, h, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps, config.zero_centered_norm)
             self.k_norm = RMSNorm(d, config.rms_norm_eps, config.zero_centered_norm)

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..kernels.causal_conv import causal_conv1d
 from ..kernels.gated_delta_rule import gated_delta_rule, recurrent_gated_delta_rule
+from ..kernels.linear import Linear
 from .config import ModelConfig
 from .layers import GatedRMSNorm
 
@@ -47,19 +48,19 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.fused = config.fused_gdn_proj
         if self.fused:
-            self.in_proj_qkvz = nn.Linear(h, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-            self.in_proj_ba = nn.Linear(h, 2 * self.hv, bias=False)
+            self.in_proj_qkvz = Linear(h, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = Linear(h, 2 * self.hv, bias=False)
         else:
-            self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
-            self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
-            self.in_proj_b = nn.Linear(h, self.hv, bias=False)
-            self.in_proj_a = nn.Linear(h, self.hv, bias=False)
+            self.in_proj_qkv = Linear(h, self.conv_dim, bias=False)
+            self.in_proj_z = Linear(h, self.value_dim, bias=False)
+            self.in_proj_b = Linear(h, self.hv, bias=False)
+            self.in_proj_a = Linear(h, self.hv, bias=False)
         k = config.linear_conv_kernel_dim
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, k, groups=self.conv_dim, padding=k - 1, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.empty(self.hv))
         self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        self.out_proj = Linear(self.value_dim, h, bias=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

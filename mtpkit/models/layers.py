@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.linear import Linear
 from .config import ModelConfig
 
 
@@ -99,9 +100,9 @@ class MLP(nn.Module):
 
     def __init__(self, hidden: int, inter: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, inter, bias=bias)
+        self.up_proj = Linear(hidden, inter, bias=bias)
+        self.down_proj = Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -146,12 +147,12 @@ class SparseMoE(nn.Module):
         super().__init__()
         h = config.hidden_size
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
-        self.gate = nn.Linear(h, config.num_experts, bias=False)
+        self.gate = Linear(h, config.num_experts, bias=False)
         self.experts = Experts(config.num_experts, h, config.moe_intermediate_size)
         self.shared_expert = None
         if config.shared_expert_intermediate_size:
             self.shared_expert = MLP(h, config.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+            self.shared_expert_gate = Linear(h, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

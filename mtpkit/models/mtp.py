@@ -7,6 +7,7 @@ import copy
 import torch
 from torch import nn
 
+from ..kernels.linear import Linear
 from .block import Context, DecoderLayer
 from .config import ModelConfig
 from .init import init_weights
@@ -22,7 +23,7 @@ class MTP(nn.Module):
         h, eps, zc = config.hidden_size, config.rms_norm_eps, config.zero_centered_norm
         self.pre_fc_norm_embedding = RMSNorm(h, eps, zc)
         self.pre_fc_norm_hidden = RMSNorm(h, eps, zc)
-        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.fc = Linear(2 * h, h, bias=False)
         self.layers = nn.ModuleList(
             DecoderLayer(config, "full_attention", config.num_experts > 0)
             for _ in range(config.mtp_num_hidden_layers)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.linear import Linear, linear
 from .block import Context, DecoderLayer
 from .config import ModelConfig
 from .layers import RMSNorm, rope_cos_sin
@@ -69,7 +70,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = TextModel(config)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mtp = MTP(config) if config.mtp_num_hidden_layers > 0 else None
 
     @property
@@ -77,7 +78,7 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.output_weight)
+        return linear(hidden, self.output_weight)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

@@ -33,7 +33,7 @@ def _batches(order: list[int], batch_size: int):
         yield order[s : s + batch_size]
 
 
-def complete_prompts(model, tokenizer, prompts: list[dict], *, batch_size: int = 64) -> list[dict]:
+def complete_prompts(model, tokenizer, prompts: list[dict], *, batch_size: int = 128) -> list[dict]:
     """Turn the "self" and "multiturn" prompts into final ones with the model's own greedy words: a question it
     wrote (its first line), or [request, its answer, a follow-up]. A self prompt whose answer is empty is dropped."""
     asks = [i for i, p in enumerate(prompts) if "ask" in p]
@@ -41,7 +41,7 @@ def complete_prompts(model, tokenizer, prompts: list[dict], *, batch_size: int =
     order = sorted(asks, key=lambda i: len(encoded[i]))
     replies = {}
     for idx in tqdm(list(_batches(order, batch_size)), desc="prompts the model writes", unit="batch"):
-        for i, new in zip(idx, _generate(model, [encoded[i] for i in idx], 96, tokenizer.eos_token_id)):
+        for i, new in zip(idx, _generate(model, [encoded[i] for i in idx], 64, tokenizer.eos_token_id)):
             replies[i] = tokenizer.decode(new, skip_special_tokens=True).strip()
     out = []
     for i, p in enumerate(prompts):

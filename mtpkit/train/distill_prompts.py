@@ -208,8 +208,8 @@ def build_prompts(n: int, seed: int = 0, literature_dir: Path | None = None) -> 
     rng = random.Random(seed)
     modules, defs = stdlib_sources()
     literature = literature_openings(literature_dir)
-    share = {"chat": 0.30, "prose": 0.17, "list": 0.10, "code": 0.12, "stdlib": 0.06, "dialogue": 0.04,
-             "multiturn": 0.08, "self": 0.08, "literature": 0.05 if literature else 0.0}
+    share = {"chat": 0.33, "prose": 0.18, "list": 0.11, "code": 0.12, "stdlib": 0.06, "dialogue": 0.05,
+             "multiturn": 0.05, "self": 0.05, "literature": 0.05 if literature else 0.0}
     out = []
     for kind, frac in share.items():
         for _ in range(round(n * frac)):

@@ -6,7 +6,6 @@ import torch
 from tiny_models import hf_model
 
 import mtpkit
-from mtpkit.decode.cpu_matmul import thin_linear, thin_matmuls
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -74,18 +73,3 @@ def test_bad_inputs(model):
         args = dict(model=model, prompts=[[1, 2, 3]], max_new_tokens=4) | kwargs
         with pytest.raises(ValueError, match=message):
             mtpkit.generate(args.pop("model"), args.pop("prompts"), **args)
-
-
-def test_thin_matmuls_match_f_linear_and_are_undone(model):
-    g = torch.Generator().manual_seed(0)
-    w, b = torch.randn(300, 64, generator=g), torch.randn(300, generator=g)
-    for rows in (1, 2, 3, 8, 9):
-        x = torch.randn(rows, 1, 64, generator=g)
-        assert torch.allclose(thin_linear(x, w, b), torch.nn.functional.linear(x, w, b), atol=1e-5)
-    ids = torch.tensor([PROMPTS[0]])
-    with torch.no_grad():
-        ref = model(ids).logits
-        with thin_matmuls(model):
-            got = model(ids[:, :2]).logits  # 2 rows: the thin path
-        assert torch.allclose(got, ref[:, :2], atol=1e-5)
-    assert not any("forward" in vars(m) for m in model.modules()) and "logits" not in vars(model)

@@ -1,0 +1,123 @@
+"""Decode-time linear layers on CPU, routed by measurement on the machine that runs them.
+
+A decode or verify step multiplies every weight by 1 to k+1 rows: the step is memory-bound, and how fast the
+weights stream depends on how the BLAS library dispatches such a thin product, which differs between CPUs,
+dtypes and library builds that look alike. Measured on two machines of one kind (2-core Sapphire Rapids,
+torch 2.13): on one, `F.linear` with one fp32 row ran as a single-threaded per-row pass and `W @ x^T` (the same
+product with the rows as the narrow operand) streamed 1.35x faster; on the other it was the reverse, 2.2x. In
+bf16, one-row `F.linear` streamed at 14 GB/s and `W @ x^T` with 4 rows at 23.5 GB/s (AMX). So no rule is
+hard-coded: the first time a row count is seen, `MatmulRouter` times each candidate way of computing the
+product, over all of the model's weights in model order (the same cache behaviour as a real step), and keeps the
+fastest per weight shape for the rest of the process. Candidates: `F.linear` and `W @ x^T`, each on the rows
+as given or padded with zero rows to 2, 4 or 8 (a wider product can stream faster than a thinner one).
+
+Every candidate computes the same product; they may differ in the last bit of rounding, as any two BLAS
+kernels do, so greedy outputs can differ only at exact rounding ties.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.linear import Linear
+
+MAX_ROWS = 8  # wider products (batched generation, prefill) are compute-bound: F.linear
+PADS = (2, 4, 8)
+
+
+def candidates(rows: int) -> list[tuple[str, int]]:
+    """(method, padded row count) pairs for `rows` rows."""
+    pads = [rows] + [p for p in PADS if p > rows]
+    return [(m, p) for p in pads for m in ("linear", "wxt") if not (m == "wxt" and p == 1)]
+
+
+def thin_product(x2: torch.Tensor, weight: torch.Tensor, how: tuple[str, int]) -> torch.Tensor:
+    """x2 [rows, K] @ weight[N, K]^T -> [rows, N], computed as `how` says."""
+    method, padded = how
+    rows = x2.shape[0]
+    if padded > rows:
+        x2 = torch.cat([x2, x2.new_zeros(padded - rows, x2.shape[1])])
+    y = F.linear(x2, weight) if method == "linear" else (weight @ x2.T).T
+    return y[:rows].contiguous()
+
+
+class MatmulRouter:
+    """Callable as `router(x, weight, bias)`: the measured-fastest way for CPU products with at most MAX_ROWS
+    rows, F.linear otherwise. `weights()` gives the model's weights in model order, for calibration passes."""
+
+    def __init__(self, weights, repeats: int = 3, force: tuple[str, int] | None = None):
+        self.weights = weights
+        self.repeats = repeats
+        self.force = force  # one candidate for every shape (benchmarks compare the router against each)
+        self.choice: dict[tuple, tuple[str, int]] = {}
+        self.timings: dict[tuple, dict[tuple[str, int], float]] = {}  # key -> candidate -> fastest ms
+
+    @staticmethod
+    def key(rows: int, weight: torch.Tensor) -> tuple:
+        return torch.get_num_threads(), rows, weight.dtype, tuple(weight.shape)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows > MAX_ROWS or x.device.type != "cpu" or x.dtype != weight.dtype or torch.is_grad_enabled():
+            return F.linear(x, weight, bias)
+        key = self.key(rows, weight)
+        if self.force is None and key not in self.choice:
+            self.calibrate(rows, weight)
+        how = self.force or self.choice[key]
+        if how[1] < rows:  # a forced candidate narrower than x: as wide as x
+            how = (how[0], rows)
+        y = thin_product(x.reshape(rows, -1), weight, how)
+        if bias is not None:
+            y = y + bias
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @torch.inference_mode()
+    def calibrate(self, rows: int, weight: torch.Tensor) -> None:
+        """Time every candidate for `rows` rows over the model's weights of weight's dtype (plus `weight` if it
+        is not one of them, e.g. a draft-vocabulary slice), after one untimed warm-up pass each."""
+        ws = list({w.data_ptr(): w for w in [*self.weights(), weight]
+                   if w.dtype == weight.dtype and w.device.type == "cpu"}.values())
+        xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(w.dtype) for w in ws}
+        cands = candidates(rows)
+        samples: dict[tuple, dict] = defaultdict(lambda: defaultdict(list))  # shape -> candidate -> [s]
+        for rep in range(self.repeats + 1):
+            for c in cands[rep % len(cands):] + cands[: rep % len(cands)]:  # rotate: no candidate always first
+                total: dict[tuple, float] = defaultdict(float)
+                for w in ws:
+                    t = time.perf_counter()
+                    thin_product(xs[w.shape[1]], w, c)
+                    total[tuple(w.shape)] += time.perf_counter() - t
+                if rep:  # rep 0 warms up (oneDNN builds its kernels on first use)
+                    for shape, s in total.items():
+                        samples[shape][c].append(s)
+        for shape, per in samples.items():
+            key = (torch.get_num_threads(), rows, weight.dtype, shape)
+            self.timings[key] = {c: 1e3 * min(s) for c, s in per.items()}  # min: other load only adds
+            self.choice[key] = min(self.timings[key], key=self.timings[key].get)
+
+    def table(self) -> list[dict]:
+        """One row per (threads, rows, dtype, shape) measured: each candidate's ms and the choice."""
+        return [{"threads": k[0], "rows": k[1], "dtype": str(k[2]).removeprefix("torch."), "shape": k[3],
+                 "ms": {f"{m}@{p}": t for (m, p), t in v.items()}, "choice": "{}@{}".format(*self.choice[k])}
+                for k, v in sorted(self.timings.items(), key=lambda kv: (kv[0][1], str(kv[0][2]), kv[0][3]))]
+
+
+_routers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def router_for(model) -> MatmulRouter:
+    """The model's router, made once per model object (its measurements last as long as the model)."""
+    if model not in _routers:
+        ref = weakref.ref(model)
+
+        def weights():  # read at calibration time: a head loaded later is included
+            m = ref()
+            return [mod.weight for mod in m.modules() if isinstance(mod, Linear)] + [m.output_weight]
+
+        _routers[model] = MatmulRouter(weights)
+    return _routers[model]

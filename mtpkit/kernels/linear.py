@@ -1,0 +1,40 @@
+"""The one entry point for the model's linear layers, so that decoding can route thin products on CPU.
+
+`linear(x, weight, bias)` is `F.linear` unless a router is active (`with routed_linears(router):`, set by the
+decoder); the router then computes the same product the way that measured fastest on this machine for that
+row count and weight shape (decode/matmul_routing.py). Training and every forward outside that block run plain
+`F.linear`, the reference.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_router: ContextVar = ContextVar("mtpkit_linear_router", default=None)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    router = _router.get()
+    return F.linear(x, weight, bias) if router is None else router(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and names) whose product goes through `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+@contextmanager
+def routed_linears(router):
+    """Within the block, `linear` calls `router(x, weight, bias)` instead of F.linear."""
+    token = _router.set(router)
+    try:
+        yield
+    finally:
+        _router.reset(token)

@@ -15,8 +15,9 @@ def add_parser(sub) -> None:
     p.add_argument("--topk", type=int, default=0, help="also store the top-k next-token log-probabilities "
                                                        "(needed by mtp.head_loss = 'soft'); 0: none")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="storage of the hidden states")
-    p.add_argument("--compute", choices=["bfloat16", "autocast", "float32"], default="bfloat16",
-                   help="trunk precision: bf16 weights, fp32 weights with bf16 autocast, or fp32")
+    p.add_argument("--compute", choices=["autocast", "bfloat16", "float32"], default="autocast",
+                   help="trunk precision: bf16 matmuls on fp32 weights (default; SmolLM2: hidden within 0.8%% of "
+                        "fp32, same top-1 at 98.9%% of tokens), bf16 weights (1.3%%, 96.7%%), or fp32")
     p.add_argument("--batch-tokens", type=int, default=16384, help="tokens per trunk forward (padded)")
     p.add_argument("--row-tokens", type=int, default=2048, help="records are packed whole into rows of this length")
 
@@ -24,11 +25,12 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from ..assets import default_gguf_path
     from ..checkpoint.hf import load_model
+    from ..tokenizer import load_tokenizer
     from ..train.features import build_features
 
     path = Path(args.model) if args.model else default_gguf_path()
     model = load_model(path, mtp=False).eval()
-    info = build_features(model, args.records, args.out, topk=args.topk, hidden_dtype=args.dtype,
+    info = build_features(model, load_tokenizer(path), args.records, args.out, topk=args.topk, hidden_dtype=args.dtype,
                           compute=args.compute, batch_tokens=args.batch_tokens, row_tokens=args.row_tokens)
     print(f"{info['records']} records; {info['tokens']} tokens stored by this run in {info['seconds']:.0f} s "
           f"({info['tokens_per_second']:.0f} tokens/s) -> {args.out}")

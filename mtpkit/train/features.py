@@ -220,11 +220,11 @@ def _open_arrays(out: Path, docs, meta: dict, fresh: bool) -> dict[str, np.ndarr
             for name, (shape, dt) in shapes.items()}
 
 
-def build_features(model, records, out, *, topk: int = 0, hidden_dtype: str = "bfloat16",
-                   compute: str = "bfloat16", batch_tokens: int = 16384, row_tokens: int = 2048,
+def build_features(model, tokenizer, records, out, *, topk: int = 0, hidden_dtype: str = "bfloat16",
+                   compute: str = "autocast", batch_tokens: int = 16384, row_tokens: int = 2048,
                    progress: bool = True) -> dict:
     """Run the frozen trunk once over every record of `records` (JSONL files of {"input_ids", "loss_mask"}, as
-    `mtpkit distill` writes) and store its post-norm hidden states (and top-k next-token log-probabilities) in
+    `mtpkit distill` writes, with the model's `tokenizer`) and store its post-norm hidden states (and top-k next-token log-probabilities) in
     the directory `out`. compute: "float32", "bfloat16" (weights cast) or "autocast" (fp32 weights, bf16
     matmuls). Resumable: a second call with the same model and records continues where a killed one stopped.
     Returns {"records", "tokens", "seconds", "tokens_per_second"} of this call."""
@@ -242,7 +242,7 @@ def build_features(model, records, out, *, topk: int = 0, hidden_dtype: str = "b
     for f in files:
         if not f.is_file():
             raise FileNotFoundError(f"records file {f} does not exist")
-    docs = tokenize_documents(read_records(files, "jsonl", "input_ids", whole=True), None, "tokens")
+    docs = tokenize_documents(read_records(files, "jsonl", "input_ids", whole=True), tokenizer, "tokens")
     if not docs:
         raise DataError(f"no records in {', '.join(map(str, files))}")
     vocab = model.config.vocab_size

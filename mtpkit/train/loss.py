@@ -214,7 +214,8 @@ def _remap(vocab: Tensor | None, size: int, device) -> Tensor | None:
         0, vocab, torch.arange(len(vocab), device=device))
 
 
-def compute_loss(model, batch: dict, cfg: LossConfig, step: int = 0, token_counts: dict | None = None) -> LossOutput:
+def compute_loss(model, batch: dict, cfg: LossConfig, step: int = 0, token_counts: dict | None = None,
+                 with_main: bool = True) -> LossOutput:
     """Main + weighted MTP cross-entropy of one micro-batch, with the logits of one chunk alive at a time.
 
     batch: input_ids [B, T], labels [B, T] (shift_labels), optional segment_ids [B, T] and positions, and for a
@@ -222,7 +223,10 @@ def compute_loss(model, batch: dict, cfg: LossConfig, step: int = 0, token_count
     token_counts: GLOBAL {"main": N, "mtp": [N_1..N_D]} over all ranks and micro-batches; each term is then this
     micro-batch's CE sum / global count, so gradients *summed* over ranks and micro-batches equal one big batch's
     (FSDP2/DDP average over ranks by default: scale by the world size or set the divide factor to 1).
+    with_main=False (MTP-only): the main CE, which carries no gradient there, is not computed (reported as NaN).
     """
+    if not (with_main or cfg.mtp_only):
+        raise ValueError("with_main=False is for MTP-only training, where the main CE is only reported")
     weights = depth_weights(cfg, step, model.config.mtp_num_hidden_layers)
     hidden, mtp_hidden = _hidden_states(model, batch, len(weights), cfg)
     # MTP-only: lm_head serves every CE as a constant, so it gets no gradient even if left trainable;
@@ -235,7 +239,11 @@ def compute_loss(model, batch: dict, cfg: LossConfig, step: int = 0, token_count
     remap = _remap(cfg.draft_vocab, mtp_weight.shape[0], mtp_weight.device)
     terms, sums, valid, correct = [], [], [], []
     for d, (h, t) in enumerate(zip([hidden, *mtp_hidden], _targets(batch, len(weights)))):
-        loss_sum, n_valid, n_correct = _depth_ce(h, t, d, batch, mtp_weight if d else main_weight, cfg, remap)
+        if d == 0 and not with_main:
+            n_valid = (t != IGNORE).sum()
+            loss_sum, n_correct = torch.full((), float("nan"), device=h.device), torch.zeros_like(n_valid)
+        else:
+            loss_sum, n_valid, n_correct = _depth_ce(h, t, d, batch, mtp_weight if d else main_weight, cfg, remap)
         norm = n_valid.clamp(min=1) if global_counts is None else max(global_counts[d], 1)
         terms.append(loss_sum / norm)
         sums.append(loss_sum.detach())

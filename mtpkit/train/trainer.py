@@ -267,7 +267,9 @@ class Trainer:
         with torch.set_grad_enabled(train):
             for mb in micros:
                 with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-                    out = compute_loss(self.model, mb, self.loss_cfg, step, token_counts)
+                    # on stored features the main CE is a constant of the data: computed in evaluation only
+                    out = compute_loss(self.model, mb, self.loss_cfg, step, token_counts,
+                                       with_main=not (train and self.cfg.data.mode == "features"))
                 if train:
                     out.loss.backward()
                 loss_sum += float(out.loss.detach())

@@ -164,15 +164,15 @@ def test_tp2_trains_like_one_process_and_its_checkpoint_resumes_and_exports_in_o
 
 @pytest.mark.slow
 def test_mtp_only_tp2_resumes_a_one_process_checkpoint(tmp_path):
-    """1 process -> tp = 2: MTP-only training (trunk frozen, run without a graph) continues from a 1-process DCP
-    checkpoint exactly as the 1-process run continues."""
+    """1 process -> tp = 2: MTP-only training (trunk frozen, run without a graph), with activation checkpointing
+    applied after TP, continues from a 1-process DCP checkpoint exactly as the 1-process run continues."""
     from mtpkit.cli import main
 
     cfg = _tp_config(tmp_path, mtp={"depth": 2, "init": "random", "only": True},
                      train={"steps": 4, "batch_size": 4, "micro_batch_size": 2})
     assert main(["train", str(cfg), f"--train.run_dir={tmp_path / 'one'}"]) == 0
     step2 = tmp_path / "one" / "checkpoints" / "step-00000002"
-    _torchrun(2, ["train", str(cfg), f"--train.run_dir={tmp_path / 'tp2'}", "--parallel.tp=2",
+    _torchrun(2, ["train", str(cfg), f"--train.run_dir={tmp_path / 'tp2'}", "--parallel.tp=2", "--parallel.ac=full",
                   f"--checkpoint.resume={step2}"], tmp_path)
     one, tp2 = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "tp2")
     assert [r["step"] for r in tp2] == [3, 4] and one[-1]["mtp_loss"][0] < one[0]["mtp_loss"][0]
@@ -181,10 +181,13 @@ def test_mtp_only_tp2_resumes_a_one_process_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_dp2_x_tp2_trains_like_one_process(tmp_path):
-    """4 processes: FSDP2 over 2 data-parallel replicas of 2 tensor-parallel ranks (a 2-D mesh)."""
+    """4 processes: FSDP2 over 2 data-parallel replicas of 2 tensor-parallel ranks (a 2-D mesh); an untied lm_head
+    (sharded on the vocabulary like the embedding)."""
     from mtpkit.cli import main
 
-    cfg = _tp_config(tmp_path, train={"steps": 2, "batch_size": 4, "micro_batch_size": 2})
+    raw = tiny_raw_config(tmp_path, model={"config": dict(TP_MODEL, tie_word_embeddings=False)},
+                          train={"steps": 2, "batch_size": 4, "micro_batch_size": 2})
+    cfg = write_toml(tmp_path / "cfg.toml", raw)
     assert main(["train", str(cfg), f"--train.run_dir={tmp_path / 'one'}"]) == 0
     log = _torchrun(4, ["train", str(cfg), f"--train.run_dir={tmp_path / 'four'}", "--parallel.dp_shard=2",
                         "--parallel.tp=2", "--train.micro_batch_size=1"], tmp_path)

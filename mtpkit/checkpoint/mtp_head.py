@@ -14,6 +14,7 @@ from ..models.mtp import MTP, add_mtp
 from .hf import CheckpointError
 from .safe_write import write_file
 
+DRAFT_VOCAB = "draft_vocab"  # optional int64 [N] tensor beside mtp.*: the ids the head drafts from (FR-Spec)
 _LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 
 
@@ -26,6 +27,8 @@ def save_mtp_head(model, path, dtype: torch.dtype | None = torch.bfloat16, *, ov
         f"mtp.{k}": v.detach().to("cpu", dtype=dtype if v.is_floating_point() and dtype else v.dtype).contiguous()
         for k, v in model.mtp.state_dict().items()
     }
+    if model.mtp.draft_vocab is not None:
+        tensors[DRAFT_VOCAB] = model.mtp.draft_vocab.to("cpu", torch.long).contiguous()
     meta = {"format": "pt", "mtp_num_hidden_layers": str(len(model.mtp.layers))}
     return write_file(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta), overwrite=overwrite)
 
@@ -58,6 +61,7 @@ def load_mtp_head(model, path):
         shapes = {n: torch.Size(f.get_slice(n).get_shape()) for n in f.keys()}
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{path} is not a readable safetensors file ({e})") from None
+    vocab_shape = shapes.pop(DRAFT_VOCAB, None)
     other = [n for n in shapes if not n.startswith("mtp.")]
     if other:
         raise CheckpointError(f"{path} is not an MTP head: it holds tensors outside mtp.* ({', '.join(sorted(other)[:4])})")
@@ -81,9 +85,16 @@ def load_mtp_head(model, path):
     ref = model.model.embed_tokens.weight
     try:
         state = {n[len("mtp."):]: f.get_tensor(n).to(device=ref.device, dtype=ref.dtype, copy=True) for n in shapes}
+        vocab = None if vocab_shape is None else f.get_tensor(DRAFT_VOCAB)
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"cannot read {path} ({e}): the file is truncated or corrupt") from None
+    V = model.config.vocab_size
+    if vocab is not None and (vocab.dim() != 1 or vocab.numel() == 0 or vocab.is_floating_point()
+                              or int(vocab.min()) < 0 or int(vocab.max()) >= V):
+        raise CheckpointError(f"{path}: its {DRAFT_VOCAB} is not a list of token ids in [0, {V}): the head was "
+                              "trained for another vocabulary, or the file is corrupt")
     if model.mtp is None or len(model.mtp.layers) != depth:
         add_mtp(model, depth)
     model.mtp.load_state_dict(state, strict=True)
+    model.mtp.draft_vocab = None if vocab is None else vocab.long()  # generate/bench draft over it by default
     return model

@@ -11,6 +11,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", help="HF model directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--mtp", help="MTP head (.safetensors with mtp.* only); default: the model's own, or the "
                                  "shipped SmolLM2 head for the default model")
+    p.add_argument("--full-vocab", action="store_true", help="draft over the whole vocabulary even when the head "
+                   "carries a draft vocabulary (one trained with mtp.draft_vocab drafts over its ids by default)")
     p.add_argument("--prompts", help="prompts: a .txt file (one per line) or .jsonl ({prompt, chat, image} or chat "
                                      "{messages} records with images); "
                                      "default: 20 prompts of several kinds shipped with mtpkit")
@@ -55,6 +57,8 @@ def run(args) -> int:
         load_mtp_head(model, head)
     if model.mtp is None:
         raise ValueError(f"{path} has no MTP head: pass one with --mtp (train one with mtpkit train, mtp.only = true)")
+    if args.full_vocab:
+        model.mtp.draft_vocab = None
     tokenizer = load_tokenizer(path)
     prompts = encode_prompts(prompts, tokenizer, model, load_processor(path) if vision else None)
     hf = load_hf_baseline(path, dtype) if args.baseline == "hf" else None

@@ -14,6 +14,8 @@ def add_parser(sub) -> None:
     p.add_argument("--mtp", help="MTP head to attach: a .safetensors file holding only mtp.* tensors; default: the "
                                  "model's own, or the shipped SmolLM2 head for the embedded model")
     p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--full-vocab", action="store_true", help="draft over the whole vocabulary even when the head "
+                   "carries a draft vocabulary (one trained with mtp.draft_vocab drafts over its ids by default)")
     p.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="an image for a vision-language model (repeat for several); placed before the prompt "
                         "unless the prompt holds an <|image_pad|> per image")
@@ -88,7 +90,7 @@ def run(args) -> int:
     stream = TextStream(tokenizer, live=sys.stdout.isatty())
     result = generate(
         model, [prompt], max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens,
-        draft_min_prob=args.draft_min_prob,
+        draft_min_prob=args.draft_min_prob, draft_vocab="full" if args.full_vocab else None,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         eos_token_id=tokenizer.eos_token_id, on_tokens=stream,
     )

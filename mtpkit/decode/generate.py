@@ -164,14 +164,16 @@ def generate(
     top_p: float = 1.0,
     seed: int | None = None,
     eos_token_id: int | Sequence[int] | None = None,
-    draft_vocab: torch.Tensor | None = None,
+    draft_vocab: torch.Tensor | str | None = None,
     draft_min_prob: float = 0.0,
     on_tokens: Callable[[int, list[int]], None] | None = None,
 ) -> GenerateResult:
     """Decode up to max_new_tokens new tokens per prompt (rows of token ids, or for a vision-language model
     dicts from `mtpkit.image_inputs` with the image patches); draft_tokens=k > 0 drafts k tokens per step with the
     model's MTP module and verifies them in one trunk forward (lossless: greedy output is token for token the
-    same, sampled output has exactly the same distribution). `draft_vocab` restricts drafting to those ids.
+    same, sampled output has exactly the same distribution). `draft_vocab` restricts drafting to those ids; by
+    default the head's own (`model.mtp.draft_vocab`, from a head trained with mtp.draft_vocab), "full" drafts over
+    the whole vocabulary.
     `draft_min_prob` = p > 0 gates drafting: a row stops after its first draft whose head probability is below p
     (see `speculative.DraftHead`); output is unchanged, fewer drafts are wasted.
     `on_tokens(row, ids)` is called with every row's new tokens as they are produced (for streaming)."""
@@ -196,6 +198,12 @@ def generate(
     eos = {int(e) for e in ([] if eos_token_id is None else torch.as_tensor(eos_token_id).flatten().tolist())}
     weight = model.output_weight
     generator = torch.Generator(weight.device).manual_seed(random.getrandbits(63) if seed is None else seed)
+    if isinstance(draft_vocab, str):
+        if draft_vocab != "full":
+            raise ValueError(f"draft_vocab must be token ids, None (the head's own) or 'full', not {draft_vocab!r}")
+        draft_vocab = None
+    elif draft_vocab is None and model.mtp is not None:
+        draft_vocab = model.mtp.draft_vocab
     head = spec.DraftHead(model, params, draft_vocab, draft_min_prob) if k else None
 
     book = _Bookkeeper(len(rows), k, max_new_tokens, eos, on_tokens)

@@ -18,6 +18,8 @@ class MTP(nn.Module):
     """Sequential MTP module (DeepSeek-V3 / Qwen3.5 layout), one full-attention decoder layer per depth:
     norm(layer(fc(cat[pre_fc_norm_embedding(emb(t_{i+d})), pre_fc_norm_hidden(h_i)])))."""
 
+    draft_vocab: torch.Tensor | None = None  # ids the head was trained to draft from (mtp.draft_vocab), if any
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         h, eps, zc = config.hidden_size, config.rms_norm_eps, config.zero_centered_norm

@@ -379,7 +379,9 @@ def export(run_or_ckpt, out_dir, dtype: torch.dtype | None = None, mtp_only: boo
     load_model_weights(ckpt, model)
     if mtp_only:
         from ..checkpoint.mtp_head import save_mtp_head
+        from .draft_vocab import read_run_draft_vocab
 
+        model.mtp.draft_vocab = read_run_draft_vocab(run_dir)  # trained with mtp.draft_vocab: it drafts over those
         return save_mtp_head(model, out_dir, dtype, overwrite=overwrite)
     if dtype is not None:
         model = model.to(dtype)

@@ -182,13 +182,12 @@ def _depth_ce(h: Tensor, t: Tensor, depth: int, batch: dict, weight: Tensor, cfg
               remap: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """(CE sum, valid targets, correct top-1) of one depth's rows h [B, T-d, H] against t [B, T-d]. MTP depths: a
     hard CE on t or, with head_loss = "soft", a soft CE on the trunk's stored top-k at the target (row i + d);
-    with a draft vocabulary (remap: id -> its column, -1 outside), over its columns only: a target outside it
-    adds no loss (nothing can score it) but stays a valid target that counts as wrong."""
+    with a draft vocabulary (weight: its rows; remap: id -> its column, -1 outside), over its columns only: a
+    target outside it adds no loss (nothing can score it) but stays a valid target that counts as wrong."""
     h, t = h.reshape(-1, h.shape[-1]), t.reshape(-1)
     valid = t != IGNORE
     cols = t
     if depth and remap is not None:
-        weight = weight[cfg.draft_vocab]
         inside = torch.where(valid, remap[t.clamp(min=0)], -1)
         cols = torch.where(inside >= 0, inside, IGNORE)
     if depth and cfg.head_loss == "soft":
@@ -234,9 +233,9 @@ def compute_loss(model, batch: dict, cfg: LossConfig, step: int = 0, token_count
     main_weight = model.output_weight.detach() if cfg.mtp_only else model.output_weight
     mtp_weight = model.output_weight.detach() if cfg.mtp_only or cfg.detach_trunk else model.output_weight
     global_counts = None if token_counts is None else [token_counts["main"], *token_counts["mtp"]]
-    if cfg.draft_vocab is not None:
-        cfg.draft_vocab = cfg.draft_vocab.to(mtp_weight.device)
     remap = _remap(cfg.draft_vocab, mtp_weight.shape[0], mtp_weight.device)
+    if remap is not None:
+        mtp_weight = mtp_weight[cfg.draft_vocab.to(mtp_weight.device)]  # [N, H], gathered once for every depth
     terms, sums, valid, correct = [], [], [], []
     for d, (h, t) in enumerate(zip([hidden, *mtp_hidden], _targets(batch, len(weights)))):
         if d == 0 and not with_main:

@@ -167,6 +167,8 @@ def test_training_on_features_takes_the_same_steps_as_with_the_trunk(tiny, tmp_p
         assert math.isnan(b["main_loss"])  # a constant of the stored data: not computed in training steps
     assert offline[-1]["val_main_loss"] == pytest.approx(online[-1]["val_main_loss"], rel=1e-5)
     assert offline[-1]["val_tau_sim"] == pytest.approx(online[-1]["val_tau_sim"], abs=0.02)
+    acc = offline[-1]["val_mtp_acc"]  # tau_sim: 1 + a1 + a1 a2 + a1 a2 a3
+    assert offline[-1]["val_tau_sim"] == pytest.approx(1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2])
     for k in online_state:
         torch.testing.assert_close(offline_state[k], online_state[k], rtol=1e-4, atol=1e-5)
 

@@ -197,3 +197,18 @@ def test_features_mode_needs_mtp_only_and_the_trunk_it_came_from(tiny, tmp_path)
     build_features(build_model(TINY_LLAMA), tok, records, tmp_path / "f", progress=False)
     with pytest.raises(ValueError, match="built from another model"):
         Trainer(config_from_dict(_raw(model_dir, tmp_path / "run", mode="features", features=str(tmp_path / "f"))))
+
+
+def test_features_command_builds_resumes_and_reports_bad_input_in_one_line(tiny, tmp_path, capsys):
+    from mtpkit.cli import main
+
+    model_dir, records, _ = tiny
+    args = ["features", "--model", str(model_dir), "--records", str(records), "--out", str(tmp_path / "f"),
+            "--topk", "4"]
+    assert main(args) == 0
+    assert "24 records" in capsys.readouterr().out and FeatureStore(tmp_path / "f").topk == 4
+    assert main(args) == 0  # complete: nothing left to do
+    assert "0 tokens stored by this run" in capsys.readouterr().out
+    assert main([*args[:4], str(tmp_path / "missing.jsonl"), *args[5:]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "missing.jsonl does not exist" in err and len(err.splitlines()) == 1

@@ -72,6 +72,16 @@ def _new_model(raw: dict, config, vision: bool) -> CausalLM:
         raise CheckpointError(f"{e}: load it without vision=True") from None
 
 
+def _meta_model(raw: dict, config, vision: bool) -> CausalLM:
+    """The model on the meta device (no memory): its shapes, and sizes whose products overflow, as one error."""
+    try:
+        with torch.device("meta"):
+            return _new_model(raw, config, vision)
+    except (RuntimeError, TypeError, OverflowError) as e:  # e.g. "Storage size calculation overflowed"
+        raise CheckpointError(f"config.json describes tensors too large to build ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0]}): check its sizes") from None
+
+
 def _free_bytes(device) -> int | None:
     device = torch.device(device)
     if device.type == "cuda":
@@ -88,8 +98,7 @@ def build_model(raw_config: dict, *, dtype=torch.float32, device="cpu", vision: 
     VisionLanguageModel from a VLM config. Sized on the meta device first: a config too large for the free memory
     is a one-line error, not an allocator failure."""
     config = config_from_hf(raw_config)
-    with torch.device("meta"):
-        need = sum(p.numel() for p in _new_model(raw_config, config, vision).parameters()) * 4  # built in fp32
+    need = sum(p.numel() for p in _meta_model(raw_config, config, vision).parameters()) * 4  # built in fp32
     free = _free_bytes(device)
     if free is not None and need > free:
         raise CheckpointError(f"this config.json describes a model of {need / 2**30:.1f} GiB (fp32) but "
@@ -264,8 +273,7 @@ def load_model(
         )
     _check_layer_counts(path, names, raw, config, vlm, vision)
 
-    with torch.device("meta"):
-        model = _new_model(raw, config, vision)
+    model = _meta_model(raw, config, vision)
     expected = {k: v.shape for k, v in model.state_dict().items()}
 
     # checkpoint name -> internal name; per-expert tensors are fused on the fly

@@ -54,11 +54,11 @@ MAX_LAYERS = 1024
 
 
 def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, int) and not isinstance(v, bool) and -2**31 < v < 2**31  # sizes fit an int32
 
 
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) < 1e300
 
 
 def _check_values(c: dict) -> None:
@@ -83,7 +83,7 @@ def _check_values(c: dict) -> None:
         need(key, lambda v: _is_int(v) and v >= 0, "an integer >= 0 (or null)", nullable=True)
     for key in _FLAGS:
         need(key, lambda v: isinstance(v, bool), "true or false")
-    need("rms_norm_eps", lambda v: _is_number(v) and v >= 0, "a number >= 0")
+    need("rms_norm_eps", lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)")
     need("rope_theta", lambda v: _is_number(v) and v > 0, "a positive number")
     need("partial_rotary_factor", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]", nullable=True)
     need("hidden_act", lambda v: v in _ACTS, f"one of {', '.join(_ACTS)}")
@@ -245,12 +245,12 @@ def config_from_hf(raw: dict) -> ModelConfig:
             num_key_value_heads=c.get("num_key_value_heads") or heads,
             head_dim=c.get("head_dim") or hidden // heads,
             intermediate_size=c.get("intermediate_size", 0),
-            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
             hidden_act=c.get("hidden_act", "silu"),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             max_position_embeddings=c.get("max_position_embeddings", 4096),
-            rope_theta=theta,
-            partial_rotary_factor=1.0 if partial is None else partial,
+            rope_theta=float(theta),
+            partial_rotary_factor=1.0 if partial is None else float(partial),
             mrope_section=mrope,
             rope_scaling=scaling,
             qkv_bias=family.get("qkv_bias", False) or bool(c.get("attention_bias", False)),

@@ -38,7 +38,7 @@ def _with_config(src, tmp_path, **changes):
     (dict(num_key_value_heads=3), r"num_attention_heads \(2\) must be a multiple of num_key_value_heads \(3\)"),
     (dict(vocab_size=None), r"vocab_size must be a positive integer, not None"),
     (dict(tie_word_embeddings="false"), r"tie_word_embeddings must be true or false, not 'false'"),
-    (dict(rms_norm_eps=float("nan")), r"rms_norm_eps must be a number >= 0, not nan"),
+    (dict(rms_norm_eps=float("nan")), r"rms_norm_eps must be a number in \[0, 1\), not nan"),
     (dict(layer_types=["full_attention", "sliding_attention"]), r"layer_types must be a list of full_attention"),
     (dict(layer_types=["full_attention", "linear_attention"]), r"linear_attention layers, which model_type 'llama'"),
     (dict(hidden_act="gelu"), r"hidden_act must be one of silu, swish, not 'gelu'"),
@@ -122,7 +122,8 @@ def write_gguf(path, meta: dict | None = None, seed: int = 0) -> dict[str, torch
     ("llama.embedding_length", "16", "STRING", r"embedding_length = '16', not an integer"),
     ("llama.attention.head_count", 0, "UINT32", r"head_count = 0, not a positive value"),
     ("llama.rope.freq_base", float("nan"), "FLOAT32", r"freq_base = nan, not a positive value"),
-    ("llama.vocab_size", 4_000_000_000, "UINT32", r"token_embd of shape \(32, 16\) but the metadata says vocab"),
+    ("llama.vocab_size", 1_000_000, "UINT32", r"token_embd of shape \(32, 16\) but the metadata says vocab"),
+    ("llama.vocab_size", 4_000_000_000, "UINT32", r"vocab_size must be a positive integer, not 4000000000"),
     ("llama.feed_forward_length", None, "UINT32", r"lacks the GGUF metadata key llama\.'feed_forward_length'"),
 ])
 def test_bad_gguf_metadata_fails_before_dequantizing(tmp_path, key, value, kind, message):

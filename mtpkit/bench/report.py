@@ -7,9 +7,48 @@ from pathlib import Path
 RULE = "=" * 78
 
 
+BASELINES = {"hf": "transformers generate()", "pld": "transformers prompt lookup"}
+
+
 def _short(text: str, n: int) -> str:
     flat = " ".join(text.split())
     return flat if len(flat) <= n else flat[: n - 1] + "…"
+
+
+def label(run: dict) -> str:
+    """k=3, or k=3 p=0.3 when drafting was gated."""
+    p = run.get("draft_min_prob") or 0
+    return f"k={run['draft_tokens']}" + (f" p={p:g}" if p else "")
+
+
+def _baseline_lines(report: dict, best: dict) -> list[str]:
+    lines = []
+    for name, what in BASELINES.items():
+        if f"{name}_tokens_per_s" not in report:
+            continue
+        tps = report[f"{name}_tokens_per_s"]
+        if name == "pld":
+            what += f" (prompt_lookup_num_tokens={report['prompt_lookup_num_tokens']})"
+        same = f"identical to plain greedy on {report[f'{name}_identical_prompts']}/{best['prompts']} prompts"
+        lines.append(f"  ▶ vs {what}: {tps:.1f} tok/s → {best['spec_tokens_per_s'] / tps:.2f}× (mtpkit plain: "
+                     f"{best['baseline_tokens_per_s'] / tps:.2f}×) · {same}")
+    return lines
+
+
+def _table(runs: list[dict], mark: dict) -> list[str]:
+    gated = any(r.get("draft_min_prob") for r in runs)
+    head = (f"  {'k':>3}" + (f" {'p':>5}" if gated else "") + f" {'base t/s':>9} {'spec t/s':>9} {'speedup':>8} "
+            f"{'accept':>7} {'mean len':>9} {'break-even':>11}" + (f" {'drafts/step':>12}" if gated else "")
+            + "  per-position acceptance   output")
+    lines = [head, "  " + "-" * (len(head) - 2)]
+    for r in runs:
+        pos = " ".join(f"{a:.2f}" for a in r["accepted_per_position"])
+        be = "-" if r.get("break_even") is None else f"{r['break_even']:.2f}"
+        lines.append(f"  {r['draft_tokens']:>3}" + (f" {r.get('draft_min_prob') or 0:>5g}" if gated else "")
+                     + f" {r['baseline_tokens_per_s']:>9.1f} {r['spec_tokens_per_s']:>9.1f} {r['speedup']:>7.2f}× "
+                     f"{r['acceptance_rate']:>6.0%} {r['mean_acceptance_length']:>9.2f} {be:>11}"
+                     + (f" {r['drafted_per_step']:>12.2f}" if gated else "") + f"  {pos:<24} {mark[r['identical']]}")
+    return lines
 
 
 def render(report: dict, decode, samples: int = 4) -> str:
@@ -26,29 +65,21 @@ def render(report: dict, decode, samples: int = 4) -> str:
         f"{report['dtype']} · {report['device']} ({report['threads']} threads) · {report['num_tokens']} tokens/prompt · "
         f"{best['prompts']} prompts · median of {report['repeats']}",
         "",
-        f"  ▶ {best['speedup']:.2f}× faster decoding at k={best['draft_tokens']}  "
+        f"  ▶ {best['speedup']:.2f}× faster decoding at {label(best)}  "
         f"({best['baseline_tokens_per_s']:.1f} → {best['spec_tokens_per_s']:.1f} tok/s)  ·  "
         f"{'lossless (identical output)' if best['identical'] else mark[best['identical']]}",
         f"  ▶ draft acceptance {best['acceptance_rate']:.0%}  ·  {best['mean_acceptance_length']:.2f} tokens per "
         f"model forward (vs 1.00 baseline)",
     ]
-    if "hf_tokens_per_s" in report:
-        lines.append(f"  ▶ vs transformers generate(): {report['hf_tokens_per_s']:.1f} tok/s → "
-                     f"{best['spec_tokens_per_s'] / report['hf_tokens_per_s']:.2f}× (mtpkit plain: "
-                     f"{best['baseline_tokens_per_s'] / report['hf_tokens_per_s']:.2f}×)")
-    lines += ["", "  Per draft length", f"  {'k':>3} {'base t/s':>9} {'spec t/s':>9} {'speedup':>8} {'accept':>7} "
-              f"{'mean len':>9}  per-position acceptance   output", "  " + "-" * 74]
-    for r in runs:
-        pos = " ".join(f"{a:.2f}" for a in r["accepted_per_position"])
-        lines.append(f"  {r['draft_tokens']:>3} {r['baseline_tokens_per_s']:>9.1f} {r['spec_tokens_per_s']:>9.1f} "
-                     f"{r['speedup']:>7.2f}× {r['acceptance_rate']:>6.0%} {r['mean_acceptance_length']:>9.2f}  "
-                     f"{pos:<24} {mark[r['identical']]}")
-    lines += ["", f"  Sample generations (k={best['draft_tokens']}; plain and speculative produce the same text)",
+    lines += _baseline_lines(report, best)
+    lines += ["", "  Per draft length (break-even: the mean acceptance length at which speculation pays, from timed "
+              "step costs)", *_table(runs, mark)]
+    lines += ["", f"  Sample generations ({label(best)}; plain and speculative produce the same text)",
               "  " + "-" * 74]
     for i, (s, pp) in enumerate(zip(report["samples"][:samples], best["per_prompt"][:samples]), 1):
         lines += [f"  [{i}] {_short(s['prompt'], 72)}", f"      {_short(decode(s['output_ids']), 300)}",
                   f"      {pp['speedup']:.2f}× · accept {pp['acceptance_rate']:.0%} · {mark[pp['identical']]}"]
-    lines += ["", f"  Per-prompt metrics (k={best['draft_tokens']})",
+    lines += ["", f"  Per-prompt metrics ({label(best)})",
               f"  {'prompt':<34} {'kind':<6} {'base t/s':>9} {'spec t/s':>9} {'speedup':>8} {'accept':>7}",
               "  " + "-" * 74]
     for pp in best["per_prompt"]:
@@ -60,26 +91,76 @@ def render(report: dict, decode, samples: int = 4) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict, path) -> Path:
-    """Acceptance per draft position (one line per k) and speedup per k, side by side."""
-    import matplotlib
+def render_contexts(report: dict) -> str:
+    """Plain-text table of the context-length sweep: acceptance (and speed) per context length and row."""
+    mark = {True: "✓", False: "✗ DIFFERENT", None: "-"}
+    lines = [RULE, f"  MTP acceptance across context lengths — {report['model']}", RULE,
+             f"  {report['source']} · {report['num_tokens']} new tokens/prompt · {report['dtype']} · "
+             f"{report['device']} ({report['threads']} threads) · median of {report['repeats']}",
+             "  each prompt: the same continuation point, left-padded with earlier text of its document", "",
+             f"  {'context':>7} {'prompts':>7} {'row':<11} {'accept':>7} {'mean len':>9} {'break-even':>11} "
+             f"{'speedup':>8}  per-position acceptance   identical", "  " + "-" * 96]
+    for c in report["contexts"]:
+        for r in c["runs"]:
+            pos = " ".join(f"{a:.2f}" for a in r["accepted_per_position"])
+            be = "-" if r.get("break_even") is None else f"{r['break_even']:.2f}"
+            lines.append(f"  {c['context_tokens']:>7} {r['prompts']:>7} {label(r):<11} {r['acceptance_rate']:>6.0%} "
+                         f"{r['mean_acceptance_length']:>9.2f} {be:>11} {r['speedup']:>7.2f}×  {pos:<24}  "
+                         f"{mark[r['identical']]}")
+    lines.append(RULE)
+    return "\n".join(lines)
 
-    matplotlib.use("Agg")
+
+def _save(fig, path) -> Path:
     import matplotlib.pyplot as plt
 
-    runs = report["runs"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for r in runs:
-        a.plot(range(1, r["draft_tokens"] + 1), r["accepted_per_position"], marker="o", label=f"k={r['draft_tokens']}")
-    a.set(xlabel="draft position", ylabel="acceptance (per verification step)", ylim=(0, 1), title="Acceptance")
-    a.legend()
-    ks = [r["draft_tokens"] for r in runs]
-    b.bar([str(k) for k in ks], [r["speedup"] for r in runs], color="tab:green")
-    b.axhline(1.0, color="gray", lw=1)
-    b.set(xlabel="draft tokens k", ylabel="speedup over plain decoding", title="Speedup")
-    fig.suptitle(f"{report['model']}, {report['num_tokens']} tokens, {report['dtype']}, {report['device']}")
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(report: dict, path) -> Path:
+    """Acceptance per draft position (one line per row) and speedup per row, side by side; for a context-length
+    sweep, mean acceptance length and speedup against context length instead."""
+    if "contexts" in report:
+        return plot_contexts(report, path)
+    runs = report["runs"]
+    fig, (a, b) = _pyplot().subplots(1, 2, figsize=(10, 4))
+    for r in runs:
+        a.plot(range(1, r["draft_tokens"] + 1), r["accepted_per_position"], marker="o", label=label(r))
+    a.set(xlabel="draft position", ylabel="acceptance (per verification step)", ylim=(0, 1), title="Acceptance")
+    a.legend()
+    b.bar([label(r) for r in runs], [r["speedup"] for r in runs], color="tab:green")
+    b.axhline(1.0, color="gray", lw=1)
+    b.set(xlabel="draft tokens k (p: draft_min_prob)", ylabel="speedup over plain decoding", title="Speedup")
+    fig.suptitle(f"{report['model']}, {report['num_tokens']} tokens, {report['dtype']}, {report['device']}")
+    return _save(fig, path)
+
+
+def plot_contexts(report: dict, path) -> Path:
+    contexts = report["contexts"]
+    lengths = [c["context_tokens"] for c in contexts]
+    fig, (a, b) = _pyplot().subplots(1, 2, figsize=(10, 4))
+    for j, r in enumerate(contexts[0]["runs"]):
+        a.plot(lengths, [c["runs"][j]["mean_acceptance_length"] for c in contexts], marker="o", label=label(r))
+        b.plot(lengths, [c["runs"][j]["speedup"] for c in contexts], marker="o", label=label(r))
+    a.set(xscale="log", xlabel="context tokens", ylabel="mean acceptance length", title="Acceptance")
+    b.axhline(1.0, color="gray", lw=1)
+    b.set(xscale="log", xlabel="context tokens", ylabel="speedup over plain decoding", title="Speedup")
+    for ax in (a, b):
+        ax.set_xticks(lengths, [str(n) for n in lengths], minor=False)
+        ax.minorticks_off()
+        ax.legend()
+    fig.suptitle(f"{report['model']}, {report['source']}, {report['num_tokens']} new tokens")
+    return _save(fig, path)

@@ -3,7 +3,9 @@
 For every prompt, plain decoding and speculative decoding with each k run one after the other (after a warm-up,
 in an order that alternates between repeats), their outputs are compared token for token, and each timing is the
 median over the repeats. tokens/s of a configuration = all its new tokens / the sum of its per-prompt medians.
-Acceptance metrics are vLLM's (mtp-reference.md section 3), summed over prompts.
+Acceptance metrics are vLLM's (docs/MTP.md section 4), summed over prompts. Each speculative row also gets the
+mean acceptance length at which it would break even, from step costs timed separately (`break_even`): the
+speedup it achieves is about its mean acceptance length / that figure.
 """
 
 from __future__ import annotations
@@ -126,25 +128,60 @@ def load_hf_baseline(path: Path, dtype=torch.float32):
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
 
 
-def hf_generate(hf_model, ids: list[int], num_tokens: int, eos) -> list[int]:
-    """transformers' own greedy generate(): the library baseline, as a user would call it."""
+def hf_generate(hf_model, ids: list[int], num_tokens: int, eos, prompt_lookup: int = 0) -> list[int]:
+    """transformers' own greedy generate(), as a user would call it. prompt_lookup = N > 0 turns on its
+    prompt-lookup decoding (Saxena 2023, apoorvumang/prompt-lookup-decoding): up to N draft tokens copied from
+    where the last n-gram appeared earlier in the prompt or output, verified by the model; the speculation a
+    user gets without any head."""
     x = torch.tensor([ids])
+    lookup = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
     out = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=num_tokens, do_sample=False,
-                            eos_token_id=eos, pad_token_id=eos)
+                            eos_token_id=eos, pad_token_id=eos, **lookup)
     return out[0, len(ids):].tolist()
 
 
-def run_bench(model, prompts: list[Prompt], *, num_tokens: int, ks: list[int], temperature: float = 0.0,
-              repeats: int = 3, seed: int = 0, eos_token_id=None, hf_model=None, progress: bool = True) -> dict:
-    """Measure every prompt under plain decoding, speculative decoding for each k and (optionally) HF generate().
-    Returns the per-prompt and per-k figures (see `summarise`)."""
-    configs = [0, *ks] + (["hf"] if hf_model is not None else [])
+def spec_configs(ks, min_probs) -> list[tuple[int, float]]:
+    """(k, draft_min_prob) of every speculative row: each k at each threshold, and k = 1 once (a step always
+    proposes its first draft, so gating cannot change k = 1)."""
+    return sorted({(k, float(p) if k > 1 else 0.0) for k in ks for p in min_probs})
+
+
+def measure_step_costs(model, k: int, context: int, repeats: int) -> dict[int, dict]:
+    """Median ms of a decode step, and for L = 1..k of a verify step over L+1 tokens and of drafting L tokens,
+    at `context` tokens of cache (`decode_step.step_costs`, the micro-benchmark of docs/MTP.md section 4)."""
+    from .decode_step import step_costs
+
+    vocab = min(4096, model.config.vocab_size)  # its reduced-vocabulary column is not used here
+    return {r["k"]: r for r in step_costs(model, list(range(1, k + 1)), repeats, context, vocab)}
+
+
+def break_even(costs: dict[int, dict], draft_lengths: list[float]) -> float:
+    """The mean acceptance length at which speculation matches plain decoding: a step that drafts L tokens
+    costs verify(L+1) + draft(L) and a plain step decode(1), weighted by the share of steps that drafted L
+    (all k without gating)."""
+    step = sum(f * (costs[L]["verify"] + costs[L]["full"]) for L, f in enumerate(draft_lengths, 1) if f)
+    return step / costs[1]["decode"]
+
+
+def run_bench(model, prompts: list[Prompt], *, num_tokens: int, ks: list[int], min_probs=(0.0,),
+              temperature: float = 0.0, repeats: int = 3, seed: int = 0, eos_token_id=None, hf_model=None,
+              baselines=("hf",), prompt_lookup: int = 10, step_repeats: int = 5, progress: bool = True) -> dict:
+    """Measure every prompt under plain decoding, speculative decoding for each (k, draft_min_prob) and, with
+    hf_model, the transformers baselines ("hf": greedy generate(), "pld": with prompt_lookup_num_tokens =
+    prompt_lookup). step_repeats > 0 also times the step costs behind each row's break-even acceptance length,
+    at the prompts' median length + num_tokens / 2. Returns the per-prompt and per-row figures (see `summarise`)."""
+    specs = spec_configs(ks, min_probs)
+    extra = list(baselines) if hf_model is not None else []
+    configs = [0, *specs, *extra]
 
     def once(cfg, p: Prompt):
-        if cfg == "hf":
-            return _timed(lambda: (hf_generate(hf_model, p.ids, num_tokens, eos_token_id), None))
-        res, sec = _timed(lambda: generate(model, [p.inputs or p.ids], max_new_tokens=num_tokens, draft_tokens=cfg,
-                                           temperature=temperature, seed=seed, eos_token_id=eos_token_id))
+        if cfg in ("hf", "pld"):
+            lookup = prompt_lookup if cfg == "pld" else 0
+            return _timed(lambda: (hf_generate(hf_model, p.ids, num_tokens, eos_token_id, lookup), None))
+        k, min_prob = cfg or (0, 0.0)
+        res, sec = _timed(lambda: generate(model, [p.inputs or p.ids], max_new_tokens=num_tokens, draft_tokens=k,
+                                           draft_min_prob=min_prob, temperature=temperature, seed=seed,
+                                           eos_token_id=eos_token_id))
         return (res.tokens[0], res.stats), sec
 
     for cfg in configs:  # warm-up: first-call allocations and lazy initialisation stay out of the timings
@@ -161,40 +198,50 @@ def run_bench(model, prompts: list[Prompt], *, num_tokens: int, ks: list[int], t
                 bar.update()
     bar.close()
     median = {key: statistics.median(v) for key, v in seconds.items()}
-    return summarise(prompts, ks, outputs, median, hf=hf_model is not None, greedy=temperature == 0)
+    costs = None
+    if step_repeats:
+        context = int(statistics.median(len(p.ids) for p in prompts)) + num_tokens // 2
+        costs = measure_step_costs(model, max(ks), context, step_repeats)
+    report = summarise(prompts, specs, outputs, median, baselines=extra, greedy=temperature == 0, costs=costs)
+    if "pld" in extra:
+        report["prompt_lookup_num_tokens"] = prompt_lookup
+    return report
 
 
 def _rate(tokens: int, sec: float) -> float:
     return tokens / sec if sec > 0 else 0.0
 
 
-def summarise(prompts, ks, outputs, median, *, hf: bool, greedy: bool) -> dict:
+def summarise(prompts, specs, outputs, median, *, baselines=(), greedy: bool, costs=None) -> dict:
     n = len(prompts)
     base_tokens = [len(outputs[0, i][0]) for i in range(n)]
     base_tps = _rate(sum(base_tokens), sum(median[0, i] for i in range(n)))
     runs = []
-    for k in ks:
-        stats = [outputs[k, i][1] for i in range(n)]
+    for cfg in specs:
+        k, min_prob = cfg
+        stats = [outputs[cfg, i][1] for i in range(n)]
         steps = sum(s["verification_steps"] for s in stats)
         accepted = sum(s["accepted"] for s in stats)
         drafted = sum(s["drafted"] for s in stats)
         per_pos = [sum(s["accepted_per_position"][j] for s in stats) / max(steps, 1) for j in range(k)]
-        spec_tokens = [len(outputs[k, i][0]) for i in range(n)]
-        spec_tps = _rate(sum(spec_tokens), sum(median[k, i] for i in range(n)))
+        lengths = [sum(s["draft_lengths"][j] for s in stats) / max(steps, 1) for j in range(k)]
+        spec_tokens = [len(outputs[cfg, i][0]) for i in range(n)]
+        spec_tps = _rate(sum(spec_tokens), sum(median[cfg, i] for i in range(n)))
         per_prompt = []
         for i, p in enumerate(prompts):
             s = stats[i]
             per_prompt.append({
                 "prompt": p.text, "kind": p.kind, "chat": p.chat,
                 "baseline_tokens_per_s": _rate(base_tokens[i], median[0, i]),
-                "spec_tokens_per_s": _rate(spec_tokens[i], median[k, i]),
-                "speedup": _rate(spec_tokens[i], median[k, i]) / max(_rate(base_tokens[i], median[0, i]), 1e-9),
+                "spec_tokens_per_s": _rate(spec_tokens[i], median[cfg, i]),
+                "speedup": _rate(spec_tokens[i], median[cfg, i]) / max(_rate(base_tokens[i], median[0, i]), 1e-9),
                 "acceptance_rate": s["acceptance_rate"],
                 "mean_acceptance_length": s["mean_acceptance_length"],
-                "identical": outputs[k, i][0] == outputs[0, i][0] if greedy else None,
+                "identical": outputs[cfg, i][0] == outputs[0, i][0] if greedy else None,
             })
         runs.append({
             "draft_tokens": k,
+            "draft_min_prob": min_prob,
             "prompts": n,
             "baseline_tokens_per_s": base_tps,
             "spec_tokens_per_s": spec_tps,
@@ -202,12 +249,20 @@ def summarise(prompts, ks, outputs, median, *, hf: bool, greedy: bool) -> dict:
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "mean_acceptance_length": 1 + accepted / steps if steps else 1.0,
             "accepted_per_position": per_pos,
+            "drafted_per_step": drafted / steps if steps else 0.0,
+            "draft_lengths": lengths,  # share of steps that proposed j = 1..k drafts (the stop distribution)
+            "break_even": break_even(costs, lengths) if costs and steps else None,
             "identical": all(pp["identical"] for pp in per_prompt) if greedy else None,
             "per_prompt": per_prompt,
         })
-    report = {"runs": runs, "samples": [{"prompt": p.text, "output_ids": outputs[0, i][0]} for i, p in enumerate(prompts)]}
-    if hf:
-        hf_tokens = [len(outputs["hf", i][0]) for i in range(n)]
-        report["hf_tokens_per_s"] = _rate(sum(hf_tokens), sum(median["hf", i] for i in range(n)))
-        report["hf_identical"] = all(outputs["hf", i][0] == outputs[0, i][0] for i in range(n)) if greedy else None
+    samples = [{"prompt": p.text, "output_ids": outputs[0, i][0]} for i, p in enumerate(prompts)]
+    report = {"runs": runs, "samples": samples}
+    if costs:
+        report["step_costs_ms"] = [{key: r[key] for key in ("k", "decode", "verify", "full")} for r in costs.values()]
+    for name in baselines:
+        same = [outputs[name, i][0] == outputs[0, i][0] for i in range(n)]
+        report[f"{name}_tokens_per_s"] = _rate(sum(len(outputs[name, i][0]) for i in range(n)),
+                                               sum(median[name, i] for i in range(n)))
+        report[f"{name}_identical"] = all(same) if greedy else None
+        report[f"{name}_identical_prompts"] = sum(same)
     return report

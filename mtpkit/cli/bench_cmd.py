@@ -19,20 +19,41 @@ def add_parser(sub) -> None:
     p.add_argument("--limit", type=int, default=0, help="use only the first N prompts of the file (0: all)")
     p.add_argument("--num-tokens", type=int, default=128, help="new tokens per prompt")
     p.add_argument("--draft-tokens", default="1,2,3", help="comma-separated k values")
+    p.add_argument("--draft-min-prob", default="0",
+                   help="comma-separated thresholds p for confidence-gated drafting (a row stops drafting after a "
+                        "draft the head gives probability < p; 0: off); one row per k and p")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and configuration (median)")
-    p.add_argument("--baseline", choices=["hf"], help="add transformers' generate() on the same model")
+    p.add_argument("--baseline", help="comma-separated rows from transformers on the same model: hf (greedy "
+                                      "generate()), pld (its prompt-lookup decoding)")
+    p.add_argument("--prompt-lookup-tokens", type=int, default=10,
+                   help="prompt_lookup_num_tokens of the pld baseline (10, transformers' default draft length)")
+    p.add_argument("--step-repeats", type=int, default=5,
+                   help="timed repeats of the decode/verify/draft step costs behind the break-even column (0: skip)")
+    p.add_argument("--context-lengths",
+                   help="comma-separated prompt lengths in tokens (e.g. 128,512,2048): measure acceptance on document "
+                        "text cut at the same points, left-padded with earlier text of the same document")
+    p.add_argument("--context-docs", help="documents for --context-lengths: a .txt file (one document) or .jsonl "
+                                          "({text} records); default: the Python reference topics shipped with Python")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--out", help="also write the report to this file")
     p.add_argument("--json", help="write the figures as JSON")
     p.add_argument("--plot", help="draw acceptance per position and speedup per k to this PNG")
 
 
+def _numbers(text: str, kind, flag: str) -> list:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated numbers, got {text!r}") from None
+
+
 def run(args) -> int:
     import torch
 
     from ..assets import default_gguf_path
-    from ..bench.report import plot, render
+    from ..bench.contexts import context_prompts, python_docs, read_documents
+    from ..bench.report import plot, render, render_contexts
     from ..bench.speedup import (DEFAULT_PROMPTS, encode_prompts, load_hf_baseline, read_prompts, resource,
                                   run_bench, shipped_head)
     from ..checkpoint.hf import load_model
@@ -40,17 +61,30 @@ def run(args) -> int:
     from ..models.multimodal import load_processor
     from ..tokenizer import load_tokenizer
 
-    ks = sorted({int(k) for k in args.draft_tokens.split(",") if k.strip()})
+    ks = sorted(set(_numbers(args.draft_tokens, int, "--draft-tokens")))
     if not ks or ks[0] < 1:
         raise ValueError(f"--draft-tokens needs k values >= 1, got {args.draft_tokens!r}")
-    if args.repeats < 1 or args.num_tokens < 1 or args.limit < 0:
-        raise ValueError("--repeats and --num-tokens must be >= 1, --limit >= 0")
+    min_probs = sorted(set(_numbers(args.draft_min_prob, float, "--draft-min-prob"))) or [0.0]
+    if not all(0 <= p <= 1 for p in min_probs):
+        raise ValueError(f"--draft-min-prob values must be in [0, 1], got {args.draft_min_prob!r}")
+    baselines = [b.strip() for b in (args.baseline or "").split(",") if b.strip()]
+    if set(baselines) - {"hf", "pld"}:
+        raise ValueError(f"--baseline takes hf and/or pld (comma-separated), got {args.baseline!r}")
+    lengths = sorted(set(_numbers(args.context_lengths or "", int, "--context-lengths")))
+    if lengths and lengths[0] < 16:
+        raise ValueError(f"--context-lengths must be >= 16 tokens each, got {args.context_lengths!r}")
+    if lengths and args.prompts:
+        raise ValueError("--context-lengths measures on documents (--context-docs), not on --prompts: give one")
+    if args.repeats < 1 or args.num_tokens < 1 or args.limit < 0 or args.step_repeats < 0:
+        raise ValueError("--repeats and --num-tokens must be >= 1, --limit and --step-repeats >= 0")
+    if args.prompt_lookup_tokens < 1:
+        raise ValueError(f"--prompt-lookup-tokens must be >= 1, not {args.prompt_lookup_tokens}")
     dtype = getattr(torch, args.dtype)
     path = Path(args.model) if args.model else default_gguf_path()
-    prompts = read_prompts(args.prompts or resource(DEFAULT_PROMPTS))[: args.limit or None]
+    prompts = [] if lengths else read_prompts(args.prompts or resource(DEFAULT_PROMPTS))[: args.limit or None]
     vision = any(p.images for p in prompts)  # image prompts: the vision tower and the processor are loaded too
-    if vision and args.baseline == "hf":
-        raise ValueError("--baseline hf takes text prompts only")
+    if vision and baselines:
+        raise ValueError("--baseline takes text prompts only")
     model = load_model(path, dtype=dtype, vision=vision)
     head = args.mtp or shipped_head(path)
     if head:
@@ -60,14 +94,27 @@ def run(args) -> int:
     if args.full_vocab:
         model.mtp.draft_vocab = None
     tokenizer = load_tokenizer(path)
-    prompts = encode_prompts(prompts, tokenizer, model, load_processor(path) if vision else None)
-    hf = load_hf_baseline(path, dtype) if args.baseline == "hf" else None
-    report = run_bench(model.eval(), prompts, num_tokens=args.num_tokens, ks=ks, temperature=args.temperature,
-                       repeats=args.repeats, eos_token_id=tokenizer.eos_token_id, hf_model=hf)
+    hf = load_hf_baseline(path, dtype) if baselines else None
+    bench = dict(num_tokens=args.num_tokens, ks=ks, min_probs=min_probs, temperature=args.temperature,
+                 repeats=args.repeats, eos_token_id=tokenizer.eos_token_id, hf_model=hf, baselines=baselines,
+                 prompt_lookup=args.prompt_lookup_tokens, step_repeats=args.step_repeats)
+    if lengths:
+        docs = read_documents(args.context_docs) if args.context_docs else python_docs()
+        by_length = context_prompts(docs, tokenizer, lengths, args.limit)
+        report = {"contexts": [dict(context_tokens=n, **run_bench(model.eval(), by_length[n], **bench))
+                               for n in lengths],
+                  "source": f"{Path(args.context_docs).name if args.context_docs else 'Python reference topics'}, "
+                            f"{len(by_length[lengths[-1]])} documents"}
+    else:
+        prompts = encode_prompts(prompts, tokenizer, model, load_processor(path) if vision else None)
+        report = run_bench(model.eval(), prompts, **bench)
     report.update(model=path.name, device=str(model.output_weight.device), dtype=args.dtype, threads=torch.get_num_threads(),
                   num_tokens=args.num_tokens, repeats=args.repeats, temperature=args.temperature,
                   mtp_head=str(head) if head else "(checkpoint's own)")
-    text = render(report, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    if lengths:
+        text = render_contexts(report)
+    else:
+        text = render(report, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
@@ -75,8 +122,9 @@ def run(args) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     if args.plot:
         plot(report, args.plot)
-    failed = [r["draft_tokens"] for r in report["runs"] if r["identical"] is False]
+    runs = [r for c in report.get("contexts", [report]) for r in c["runs"]]
+    failed = sorted({(r["draft_tokens"], r["draft_min_prob"]) for r in runs if r["identical"] is False})
     if failed:
-        print(f"mtpkit bench: error: speculative output differed from plain decoding at k={failed}")
+        print(f"mtpkit bench: error: speculative output differed from plain decoding at (k, p) = {failed}")
         return 1
     return 0

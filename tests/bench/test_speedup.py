@@ -1,13 +1,20 @@
-"""The benchmark: figures add up, outputs are compared, the report and JSON carry what checks read."""
+"""The benchmark: figures add up, outputs are compared (gated rows, transformers' greedy and prompt-lookup
+baselines), break-even from step costs, the context-length sweep's prompts, the report and JSON carry what checks
+read."""
 
 import json
+import re
 
 import pytest
 from tiny_models import hf_model, random_mtp_tensors, save_hf
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 import mtpkit
-from mtpkit.bench.report import plot, render
-from mtpkit.bench.speedup import Prompt, load_prompts, run_bench
+from mtpkit.bench import speedup
+from mtpkit.bench.contexts import context_prompts, python_docs
+from mtpkit.bench.report import plot, render, render_contexts
+from mtpkit.bench.speedup import Prompt, break_even, load_prompts, run_bench
 from mtpkit.cli import main
 
 JSON_KEYS = {"draft_tokens", "prompts", "baseline_tokens_per_s", "spec_tokens_per_s", "speedup", "acceptance_rate",
@@ -24,8 +31,11 @@ def model(tmp_path_factory):
 
 def test_run_bench_figures(model, tmp_path):
     prompts = [Prompt("a", False, "prose", [3, 4, 5, 6]), Prompt("b", True, "chat", [7, 8])]
-    report = run_bench(model, prompts, num_tokens=12, ks=[1, 3], repeats=2, progress=False)
-    assert [r["draft_tokens"] for r in report["runs"]] == [1, 3]
+    report = run_bench(model, prompts, num_tokens=12, ks=[1, 3], min_probs=[0, 0.5], repeats=2, step_repeats=1,
+                       progress=False)
+    # k = 1 once: its one draft is always proposed, so a threshold cannot change it
+    assert [(r["draft_tokens"], r["draft_min_prob"]) for r in report["runs"]] == [(1, 0), (3, 0), (3, 0.5)]
+    costs = {c["k"]: c for c in report["step_costs_ms"]}
     for r in report["runs"]:
         assert JSON_KEYS <= set(r) and r["prompts"] == 2 and r["identical"] is True
         assert len(r["accepted_per_position"]) == r["draft_tokens"]
@@ -33,10 +43,74 @@ def test_run_bench_figures(model, tmp_path):
         # mean acceptance length = 1 + sum of per-position acceptance (vLLM's definitions agree)
         assert r["mean_acceptance_length"] == pytest.approx(1 + sum(r["accepted_per_position"]))
         assert r["speedup"] == pytest.approx(r["spec_tokens_per_s"] / r["baseline_tokens_per_s"])
+        assert sum(r["draft_lengths"]) == pytest.approx(1)
+        assert r["drafted_per_step"] == pytest.approx(sum(j * f for j, f in enumerate(r["draft_lengths"], 1)))
+    k3, gated = report["runs"][1:]
+    assert k3["draft_lengths"] == [0, 0, 1] and gated["drafted_per_step"] < 3  # a random head is never sure
+    assert k3["break_even"] == pytest.approx((costs[3]["verify"] + costs[3]["full"]) / costs[3]["decode"])
     report.update(model="tiny", device="cpu", dtype="float32", threads=1, num_tokens=12, repeats=2, temperature=0.0)
     text = render(report, lambda ids: " ".join(map(str, ids)))
-    assert "✓ identical" in text and "OVERALL" in text
+    assert "✓ identical" in text and "OVERALL" in text and "break-even" in text and "drafts/step" in text
     assert plot(report, tmp_path / "b.png").stat().st_size > 1000
+
+
+def test_break_even_weights_step_costs_by_the_stop_distribution():
+    costs = {1: {"decode": 10.0, "verify": 10.0, "full": 2.0}, 2: {"verify": 14.0, "full": 4.0},
+             3: {"verify": 16.0, "full": 7.0}}
+    assert break_even(costs, [0, 0, 1]) == pytest.approx(2.3)  # (16 + 7) / 10: every step drafted 3
+    assert break_even(costs, [0.5, 0.25, 0.25]) == pytest.approx((0.5 * 12 + 0.25 * 18 + 0.25 * 23) / 10)
+
+
+def test_transformers_baselines_greedy_and_prompt_lookup(tmp_path, monkeypatch):
+    """Both baseline rows run transformers' generate() (prompt lookup with prompt_lookup_num_tokens) on the same
+    model; their outputs are compared with mtpkit's plain greedy decoding, and a changed token is reported."""
+    ref = hf_model("llama")
+    save_hf(ref, tmp_path, mtp_tensors=random_mtp_tensors(ref))
+    model = mtpkit.load_model(tmp_path)
+    calls = []
+    generate = ref.generate
+    monkeypatch.setattr(ref, "generate", lambda *a, **kw: calls.append(kw.get("prompt_lookup_num_tokens")) or
+                        generate(*a, **kw))
+    prompts = [Prompt("rep", False, "text", [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]), Prompt("b", False, "text", [9, 3])]
+    kw = dict(num_tokens=10, ks=[2], repeats=1, step_repeats=0, hf_model=ref, progress=False)
+    report = run_bench(model, prompts, baselines=["hf", "pld"], prompt_lookup=3, **kw)
+    assert set(calls) == {None, 3} and report["prompt_lookup_num_tokens"] == 3
+    for name in ("hf", "pld"):
+        assert report[f"{name}_tokens_per_s"] > 0
+        assert report[f"{name}_identical"] is True and report[f"{name}_identical_prompts"] == 2
+    report.update(model="tiny", device="cpu", dtype="float32", threads=1, num_tokens=10, repeats=1, temperature=0.0)
+    assert "prompt_lookup_num_tokens=3" in render(report, str)
+    hf_generate = speedup.hf_generate  # power: a baseline that changes a token is caught
+    monkeypatch.setattr(speedup, "hf_generate", lambda *a: hf_generate(*a)[:-1] + [0] if a[-1] else hf_generate(*a))
+    report = run_bench(model, prompts, baselines=["hf", "pld"], prompt_lookup=3, **kw)
+    assert report["hf_identical"] is True and report["pld_identical"] is False and report["pld_identical_prompts"] == 0
+
+
+class CharTokenizer:
+    """Characters as token ids; decodes back to the text."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
+
+def test_context_prompts_left_pad_the_same_continuation_point():
+    doc = " ".join(f"w{i}" for i in range(200))  # "w0 w1 ... w199"
+    by_length = context_prompts([("doc", doc), ("short", "too short")], CharTokenizer(), [16, 64])
+    short, long = by_length[16][0], by_length[64][0]
+    assert [len(short.ids), len(long.ids)] == [16, 64] and len(by_length[16]) == 1
+    assert long.ids[-16:] == short.ids  # the same text before the cut, with 48 more tokens of it in front
+    text = CharTokenizer().decode(long.ids)
+    assert doc.startswith(doc[: doc.index(text)] + text) and doc[doc.index(text) + 64] == " "  # cut at a word start
+    with pytest.raises(ValueError, match="no document is longer than 999 tokens"):
+        context_prompts([("doc", doc)], CharTokenizer(), [999])
+
+
+def test_python_reference_topics_are_long_documents():
+    docs = python_docs()
+    assert len([d for d in docs if len(d[1]) > 9000]) >= 10 and len(docs[0][1]) > len(docs[-1][1])
 
 
 def test_load_prompts(tmp_path):
@@ -69,6 +143,7 @@ def test_bench_cli_on_smollm2_with_a_random_head(smollm2_gguf, tmp_path, capsys)
                                       '{"prompt": "Name a colour.", "chat": true}\n')
     rc = main(["bench", "--model", str(smollm2_gguf), "--mtp", str(tmp_path / "head.safetensors"), "--prompts",
                str(tmp_path / "p.jsonl"), "--num-tokens", "8", "--draft-tokens", "1,2", "--repeats", "1",
+               "--step-repeats", "0",
                "--baseline", "hf", "--json", str(tmp_path / "r.json")])
     assert rc == 0
     report = json.loads((tmp_path / "r.json").read_text())
@@ -76,3 +151,49 @@ def test_bench_cli_on_smollm2_with_a_random_head(smollm2_gguf, tmp_path, capsys)
     assert report["hf_identical"] is True  # mtpkit's plain greedy == transformers' generate()
     assert all(JSON_KEYS <= set(r) and r["identical"] for r in report["runs"])
     assert "MTP self-speculative decoding" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A tiny Llama with a random MTP head and a tokenizer whose words are t0 .. t255 (eos t255)."""
+    path = tmp_path_factory.mktemp("tiny_llama")
+    ref = hf_model("llama")
+    save_hf(ref, path, mtp_tensors=random_mtp_tensors(ref))
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, eos_token="t255", unk_token="t0").save_pretrained(path)
+    return path
+
+
+def test_bench_cli_context_lengths(llama_dir, tmp_path, capsys):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": " ".join(f"t{(i * n) % 250 + 1}" for i in range(90))}) + "\n"
+                            for n in (3, 7)))
+    rc = main(["bench", "--model", str(llama_dir), "--context-lengths", "16,64", "--context-docs", str(docs),
+               "--num-tokens", "6", "--draft-tokens", "1,2", "--draft-min-prob", "0,0.5", "--repeats", "1",
+               "--step-repeats", "1", "--baseline", "hf,pld", "--json", str(tmp_path / "r.json"),
+               "--plot", str(tmp_path / "c.png")])
+    assert rc == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [c["context_tokens"] for c in report["contexts"]] == [16, 64]
+    for c in report["contexts"]:
+        assert [(r["draft_tokens"], r["draft_min_prob"]) for r in c["runs"]] == [(1, 0), (2, 0), (2, 0.5)]
+        assert all(r["prompts"] == 2 and r["identical"] and r["break_even"] > 0 for r in c["runs"])
+        assert c["hf_identical"] is True and c["pld_identical"] is True
+    out = capsys.readouterr().out
+    assert "acceptance across context lengths" in out and "docs.jsonl, 2 documents" in out
+    assert (tmp_path / "c.png").stat().st_size > 1000
+    assert render_contexts(report) in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--draft-min-prob", "1.5"], r"--draft-min-prob values must be in \[0, 1\]"),
+    (["--baseline", "vllm"], "--baseline takes hf and/or pld"),
+    (["--context-lengths", "8"], "--context-lengths must be >= 16"),
+    (["--context-lengths", "abc"], "--context-lengths takes comma-separated numbers"),
+    (["--context-lengths", "64", "--prompts", "p.txt"], "not on --prompts"),
+])
+def test_bench_cli_bad_options(llama_dir, args, message, capsys):
+    assert main(["bench", "--model", str(llama_dir), *args]) != 0
+    err = capsys.readouterr().err.strip()
+    assert re.search(message, err) and len(err.splitlines()) == 1

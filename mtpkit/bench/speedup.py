@@ -147,19 +147,23 @@ def spec_configs(ks, min_probs) -> list[tuple[int, float]]:
 
 
 def measure_step_costs(model, k: int, context: int, repeats: int) -> dict[int, dict]:
-    """Median ms of a decode step, and for L = 1..k of a verify step over L+1 tokens and of drafting L tokens,
-    at `context` tokens of cache (`decode_step.step_costs`, the micro-benchmark of docs/MTP.md section 4)."""
+    """Median ms of a decode step, and for L = 1..k of a verify step over L+1 tokens and of drafting L tokens
+    (over the head's draft vocabulary when it carries one, as generate drafts), at `context` tokens of cache
+    (`decode_step.step_costs`, the micro-benchmark of docs/MTP.md section 4)."""
     from .decode_step import step_costs
 
-    vocab = min(4096, model.config.vocab_size)  # its reduced-vocabulary column is not used here
-    return {r["k"]: r for r in step_costs(model, list(range(1, k + 1)), repeats, context, vocab)}
+    subset = getattr(model.mtp, "draft_vocab", None)
+    vocab = len(subset) if subset is not None else min(4096, model.config.vocab_size)
+    rows = step_costs(model, list(range(1, k + 1)), repeats, context, vocab)
+    drafting = "full" if subset is None else "subset"
+    return {r["k"]: {"k": r["k"], "decode": r["decode"], "verify": r["verify"], "draft": r[drafting]} for r in rows}
 
 
 def break_even(costs: dict[int, dict], draft_lengths: list[float]) -> float:
     """The mean acceptance length at which speculation matches plain decoding: a step that drafts L tokens
     costs verify(L+1) + draft(L) and a plain step decode(1), weighted by the share of steps that drafted L
     (all k without gating)."""
-    step = sum(f * (costs[L]["verify"] + costs[L]["full"]) for L, f in enumerate(draft_lengths, 1) if f)
+    step = sum(f * (costs[L]["verify"] + costs[L]["draft"]) for L, f in enumerate(draft_lengths, 1) if f)
     return step / costs[1]["decode"]
 
 
@@ -258,7 +262,7 @@ def summarise(prompts, specs, outputs, median, *, baselines=(), greedy: bool, co
     samples = [{"prompt": p.text, "output_ids": outputs[0, i][0]} for i, p in enumerate(prompts)]
     report = {"runs": runs, "samples": samples}
     if costs:
-        report["step_costs_ms"] = [{key: r[key] for key in ("k", "decode", "verify", "full")} for r in costs.values()]
+        report["step_costs_ms"] = list(costs.values())
     for name in baselines:
         same = [outputs[name, i][0] == outputs[0, i][0] for i in range(n)]
         report[f"{name}_tokens_per_s"] = _rate(sum(len(outputs[name, i][0]) for i in range(n)),

@@ -47,7 +47,7 @@ def test_run_bench_figures(model, tmp_path):
         assert r["drafted_per_step"] == pytest.approx(sum(j * f for j, f in enumerate(r["draft_lengths"], 1)))
     k3, gated = report["runs"][1:]
     assert k3["draft_lengths"] == [0, 0, 1] and gated["drafted_per_step"] < 3  # a random head is never sure
-    assert k3["break_even"] == pytest.approx((costs[3]["verify"] + costs[3]["full"]) / costs[3]["decode"])
+    assert k3["break_even"] == pytest.approx((costs[3]["verify"] + costs[3]["draft"]) / costs[3]["decode"])
     report.update(model="tiny", device="cpu", dtype="float32", threads=1, num_tokens=12, repeats=2, temperature=0.0)
     text = render(report, lambda ids: " ".join(map(str, ids)))
     assert "✓ identical" in text and "OVERALL" in text and "break-even" in text and "drafts/step" in text
@@ -55,8 +55,8 @@ def test_run_bench_figures(model, tmp_path):
 
 
 def test_break_even_weights_step_costs_by_the_stop_distribution():
-    costs = {1: {"decode": 10.0, "verify": 10.0, "full": 2.0}, 2: {"verify": 14.0, "full": 4.0},
-             3: {"verify": 16.0, "full": 7.0}}
+    costs = {1: {"decode": 10.0, "verify": 10.0, "draft": 2.0}, 2: {"verify": 14.0, "draft": 4.0},
+             3: {"verify": 16.0, "draft": 7.0}}
     assert break_even(costs, [0, 0, 1]) == pytest.approx(2.3)  # (16 + 7) / 10: every step drafted 3
     assert break_even(costs, [0.5, 0.25, 0.25]) == pytest.approx((0.5 * 12 + 0.25 * 18 + 0.25 * 23) / 10)
 

@@ -20,12 +20,14 @@ import math
 import os
 import pathlib
 import re
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "read_gguf", "load_gguf_tokenizer"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "open_gguf", "read_gguf", "load_gguf_tokenizer"]
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 _MAGIC = b"GGUF"
@@ -195,6 +197,42 @@ def _unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, in_features).transpose(1, 2).reshape(out_features, in_features)
 
 
+def open_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, Callable[[], torch.Tensor]]]:
+    """``(hf_config_dict, {hf_name: read})`` of a ``llama`` GGUF, where ``read()`` dequantizes that one tensor to
+    a contiguous float32 CPU tensor with its HF shape. Metadata, names and the embedding shape are checked first,
+    from the header alone; a caller that converts each tensor as it reads it (``mtpkit.load_model``) never holds
+    the whole model in float32."""
+    path = pathlib.Path(path)
+    reader = _open_reader(path)
+    config = _config(reader, path, {t.name for t in reader.tensors})
+    _check_before_reading(path, reader, config)
+    heads = {"self_attn.q_proj.weight": config["num_attention_heads"],
+             "self_attn.k_proj.weight": config["num_key_value_heads"]}
+    readers = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name, config["num_hidden_layers"])
+        readers[name] = partial(_read_tensor, path, reader, t, name, heads)
+    return config, readers
+
+
+def _read_tensor(path: pathlib.Path, reader, t, name: str, heads: dict[str, int]) -> torch.Tensor:
+    from gguf.quants import dequantize
+
+    shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists ne[0] (innermost) first
+    try:
+        arr = dequantize(t.data, t.tensor_type)
+    except NotImplementedError as e:
+        raise ValueError(f"{path}: tensor {t.name!r}: {e}") from None
+    arr = np.asarray(arr, dtype=np.float32).reshape(shape)
+    if not arr.flags.writeable or np.may_share_memory(arr, reader.data):
+        arr = arr.copy()  # F32 tensors are views of the read-only mmap: own the memory
+    w = torch.from_numpy(arr)
+    suffix = name.split(".", 3)[-1] if name.startswith("model.layers.") else ""
+    if suffix in heads:
+        w = _unpermute_qk(w, heads[suffix]).contiguous()
+    return w
+
+
 def read_gguf(path: str | os.PathLike, *, progress: bool | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """Read a ``llama`` GGUF into ``(hf_config_dict, hf_state_dict)``.
 
@@ -203,37 +241,12 @@ def read_gguf(path: str | os.PathLike, *, progress: bool | None = None) -> tuple
     ``output.weight`` (otherwise ``tie_word_embeddings`` is true). ``progress=None``
     shows a tqdm bar only when stderr is a terminal.
     """
-    from gguf.quants import dequantize
     from tqdm.auto import tqdm
 
-    path = pathlib.Path(path)
-    reader = _open_reader(path)
-    tensor_names = {t.name for t in reader.tensors}
-    config = _config(reader, path, tensor_names)
-    _check_before_reading(path, reader, config)
-    n_layers = config["num_hidden_layers"]
-    heads = {"self_attn.q_proj.weight": config["num_attention_heads"],
-             "self_attn.k_proj.weight": config["num_key_value_heads"]}
-
-    state: dict[str, torch.Tensor] = {}
+    config, tensors = open_gguf(path)
     disable = None if progress is None else not progress
-    for t in tqdm(reader.tensors, desc=f"reading {path.name}", unit="tensor", disable=disable):
-        name = _hf_name(t.name, n_layers)
-        shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists ne[0] (innermost) first
-        try:
-            arr = dequantize(t.data, t.tensor_type)
-        except NotImplementedError as e:
-            raise ValueError(f"{path}: tensor {t.name!r}: {e}") from None
-        arr = np.asarray(arr, dtype=np.float32).reshape(shape)
-        if not arr.flags.writeable or np.may_share_memory(arr, reader.data):
-            arr = arr.copy()  # F32 tensors are views of the read-only mmap: own the memory
-        w = torch.from_numpy(arr)
-        suffix = name.split(".", 3)[-1] if name.startswith("model.layers.") else ""
-        if suffix in heads:
-            w = _unpermute_qk(w, heads[suffix]).contiguous()
-        state[name] = w
-
-    return config, state
+    bar = tqdm(tensors.items(), desc=f"reading {pathlib.Path(path).name}", unit="tensor", disable=disable)
+    return config, {name: read() for name, read in bar}
 
 
 def _check_before_reading(path: pathlib.Path, reader, config: dict) -> None:

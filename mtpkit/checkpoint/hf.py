@@ -117,6 +117,8 @@ def build_model(raw_config: dict, *, dtype=torch.float32, device="cpu", vision: 
 class _SafetensorsDir:
     """Name -> shard index over a model directory, opening each shard lazily."""
 
+    owned = False  # tensors are views of the memory-mapped file
+
     def __init__(self, path: Path):
         index = path / "model.safetensors.index.json"
         self.files: dict[str, Path] = {}
@@ -174,26 +176,28 @@ def _weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
-class _DictSource:
-    """Tensors already in memory (a dequantized GGUF); each is handed over once, so the caller's converted copy
-    replaces it instead of adding to it."""
+class _LazySource:
+    """Tensors produced on request (a GGUF's, dequantized one at a time), so the model's converted copy is the
+    only full copy that ever exists."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.tensors = tensors
+    owned = True  # fresh tensors: the model may keep them as they are
+
+    def __init__(self, readers: dict):
+        self.readers = readers
 
     def names(self):
-        return list(self.tensors)
+        return list(self.readers)
 
     def get(self, name: str) -> torch.Tensor:
-        return self.tensors.pop(name)
+        return self.readers[name]()
 
 
 def _read_source(path: Path):
     if path.suffix == ".gguf":
-        from .gguf import read_gguf
+        from .gguf import open_gguf
 
-        raw, tensors = read_gguf(path)
-        return raw, _DictSource(tensors)
+        raw, readers = open_gguf(path)
+        return raw, _LazySource(readers)
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
     cfg = path / "config.json"
@@ -325,9 +329,9 @@ def load_model(
         return t
 
     def convert(t: torch.Tensor) -> torch.Tensor:
-        # always a copy: a tensor read from safetensors is a view of the memory-mapped file, which must not
-        # stay behind the model (a rewrite of the file would change it, a truncation would kill the process)
-        return t.to(device=device, dtype=dtype or t.dtype, copy=True)
+        # a view of a memory-mapped file must not stay behind the model (a rewrite of the file would change the
+        # weights, a truncation would kill the process), so it is copied even when the dtype matches
+        return t.to(device=device, dtype=dtype or t.dtype, copy=not source.owned)
 
     state: dict[str, torch.Tensor] = {}
     for internal, name in plan.items():

@@ -6,8 +6,10 @@ or fail with one line the CLI prints (a ValueError or OSError, no newline): neve
 Derandomized, so every run checks the same examples (about 400, ~20 s); raise `max_examples` or drop
 `derandomize` locally to search further."""
 
+import atexit
 import json
 import resource
+import shutil
 import struct
 import tempfile
 from datetime import timedelta
@@ -27,7 +29,8 @@ gguf = pytest.importorskip("gguf")
 
 SETTINGS = dict(derandomize=True, database=None, deadline=timedelta(seconds=10),
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-_WORK = Path(tempfile.mkdtemp(prefix="mtpkit-fuzz-"))
+_WORK = Path(tempfile.mkdtemp(prefix="mtpkit-fuzz-"))  # the strategies below read its files at import
+atexit.register(shutil.rmtree, _WORK, True)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -114,7 +114,8 @@ def _config(reader, path: pathlib.Path, tensor_names: set[str]) -> dict[str, Any
         if v is None:
             raise _bad_file(path, f"lacks the GGUF metadata key {arch}.{key!r}")
         if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else int):
-            raise _bad_file(path, f"has GGUF metadata {arch}.{key} = {v!r}, not {'a number' if kind is float else 'an integer'}")
+            what = "a number" if kind is float else "an integer"
+            raise _bad_file(path, f"has GGUF metadata {arch}.{key} = {v!r}, not {what}")
         if v <= 0 or not math.isfinite(v):
             raise _bad_file(path, f"has GGUF metadata {arch}.{key} = {v!r}, not a positive value")
         return kind(v)

@@ -111,7 +111,8 @@ _HEADER_EDITS = st.one_of(
     st.tuples(st.just("data_offsets"), st.sampled_from(_NAMES),
               st.lists(st.one_of(st.integers(-5, len(_FILE) + 100), st.just(2**63)), min_size=0, max_size=3)),
     st.tuples(st.just("rename"), st.sampled_from(_NAMES),
-              st.sampled_from(["mtp.layers.999999.fc.weight", "model.layers.9.x.weight", "../x", "", "model.norm.weight"])),
+              st.sampled_from(["mtp.layers.999999.fc.weight", "model.layers.9.x.weight", "../x", "",
+                               "model.norm.weight"])),
     st.tuples(st.just("delete"), st.sampled_from(_NAMES), st.none()),
     st.tuples(st.just("metadata"), st.just("__metadata__"), st.dictionaries(st.text(max_size=4), st.text(max_size=4))),
 )
@@ -134,7 +135,8 @@ def _edit_header(header: dict, kind: str, name: str, value) -> dict:
 @given(st.one_of(
     st.tuples(st.just("header"), st.lists(_HEADER_EDITS, min_size=1, max_size=2)),
     st.tuples(st.just("length"), st.one_of(st.integers(0, 2**64 - 1), st.integers(_N - 8, _N + 8))),
-    st.tuples(st.just("flip"), st.lists(st.tuples(st.integers(8, 8 + _N - 1), st.integers(0, 255)), min_size=1, max_size=4)),
+    st.tuples(st.just("flip"),
+              st.lists(st.tuples(st.integers(8, 8 + _N - 1), st.integers(0, 255)), min_size=1, max_size=4)),
     st.tuples(st.just("truncate"), st.integers(0, len(_FILE) - 1)),
 ))
 def test_fuzz_safetensors_header(mutation):

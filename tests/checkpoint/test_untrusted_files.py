@@ -84,11 +84,13 @@ def write_gguf(path, meta: dict | None = None, seed: int = 0) -> dict[str, torch
 
     g = torch.Generator().manual_seed(seed)
     vocab, d, ff, n_heads, n_kv, hd = 32, 16, 24, 4, 2, 4
-    hf = {"model.embed_tokens.weight": torch.randn(vocab, d, generator=g), "model.norm.weight": torch.rand(d, generator=g)}
+    hf = {"model.embed_tokens.weight": torch.randn(vocab, d, generator=g),
+          "model.norm.weight": torch.rand(d, generator=g)}
     tensors = {"token_embd.weight": hf["model.embed_tokens.weight"], "output_norm.weight": hf["model.norm.weight"]}
     blk = {"attn_q": ("self_attn.q_proj", (n_heads * hd, d)), "attn_k": ("self_attn.k_proj", (n_kv * hd, d)),
            "attn_v": ("self_attn.v_proj", (n_kv * hd, d)), "attn_output": ("self_attn.o_proj", (d, n_heads * hd)),
-           "ffn_gate": ("mlp.gate_proj", (ff, d)), "ffn_up": ("mlp.up_proj", (ff, d)), "ffn_down": ("mlp.down_proj", (d, ff)),
+           "ffn_gate": ("mlp.gate_proj", (ff, d)), "ffn_up": ("mlp.up_proj", (ff, d)),
+           "ffn_down": ("mlp.down_proj", (d, ff)),
            "attn_norm": ("input_layernorm", (d,)), "ffn_norm": ("post_attention_layernorm", (d,))}
     for i in range(2):
         for gname, (hname, shape) in blk.items():

@@ -37,7 +37,7 @@ from ..decode.matmul_routing import MatmulRouter, candidates, router_for
 from ..decode.sampling import SamplingParams
 from ..kernels.linear import routed_linears
 
-# Qwen3.5-0.8B's text config (docs/qwen-architecture.md), 8 of its 24 layers
+# Qwen3.5-0.8B's text config (its config.json on the HF hub), 8 of its 24 layers
 QWEN35_08B_8L = dict(
     model_type="qwen3_5_text", vocab_size=248320, hidden_size=1024, num_hidden_layers=8, num_attention_heads=8,
     num_key_value_heads=2, head_dim=256, intermediate_size=3584, linear_num_key_heads=16,
@@ -75,8 +75,9 @@ def weight_bytes(model) -> int:
 
 
 @torch.inference_mode()
-def step_costs(model, ks, repeats: int, context: int, draft_vocab: int) -> list[dict]:
-    """Median ms of decode / verify / drafting forwards at `context` tokens of prompt."""
+def step_costs(model, ks, repeats: int, context: int, draft_vocab: int, compare_routes: bool = False) -> list[dict]:
+    """Median ms of decode / verify / drafting forwards at `context` tokens of prompt; with compare_routes, also
+    of a decode with plain F.linear and with each single routing candidate for every layer."""
     cfg = model.config
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (1, context + max(ks) + 2), generator=gen)
@@ -87,12 +88,13 @@ def step_costs(model, ks, repeats: int, context: int, draft_vocab: int) -> list[
     def decode():
         model(ids[:, context : context + 1], positions=pos[:, context : context + 1], cache=cache)
 
-    one_plain = median_ms(decode, repeats)  # every linear layer through F.linear
-    single = {}
-    for how in candidates(1):  # each candidate alone for every layer
-        with routed_linears(MatmulRouter(router_for(model).weights, force=how)):
-            single["{}@{}".format(*how)] = median_ms(decode, repeats)
-    best = min(single, key=single.get)
+    one_plain, single = None, {None: None}
+    if compare_routes:
+        one_plain, single = median_ms(decode, repeats), {}  # every linear layer through F.linear
+        for how in candidates(1):  # each candidate alone for every layer
+            with routed_linears(MatmulRouter(router_for(model).weights, force=how)):
+                single["{}@{}".format(*how)] = median_ms(decode, repeats)
+    best = min(single, key=lambda c: single[c] or 0)
     with routed_linears(router_for(model)):  # as generate() runs them
         one = median_ms(decode, repeats)
         greedy = SamplingParams()
@@ -103,10 +105,8 @@ def step_costs(model, ks, repeats: int, context: int, draft_vocab: int) -> list[
             sl = slice(context, context + k + 1)
 
             def verify():
-                cache.keep_history(True)  # the history is dropped: every call verifies from the same state
-                out = model(ids[:, sl], positions=pos[:, sl], cache=cache)
-                cache.keep_history(False)
-                return out.hidden
+                with cache.verifying():  # the history is dropped: every call verifies from the same state
+                    return model(ids[:, sl], positions=pos[:, sl], cache=cache).hidden
 
             def drafting(head, hidden=verify()):
                 # what a step adds besides verification: the MTP over the k+1 verified rows, then k-1 chained
@@ -153,7 +153,7 @@ def print_step_table(models: dict, args, ks, bw: dict) -> None:
     print(f"{'model':<44}" + "".join(f"{c:>10}" for c in cols))
     for name, model in models.items():
         mb = weight_bytes(model) / 1e6
-        for r in step_costs(model, ks, args.repeats, args.context, args.draft_vocab):
+        for r in step_costs(model, ks, args.repeats, args.context, args.draft_vocab, compare_routes=True):
             gbs = mb / r["decode"]
             cells = [str(r["k"]), *(f"{r[c]:.1f}" for c in ("decode_plain", "best_single", "decode")), f"{mb:.0f}",
                      f"{gbs:.1f}", f"{100 * gbs / bw['read']:.0f}%", f"{r['verify']:.1f}",

@@ -30,7 +30,7 @@ import time
 
 QWEN35_VOCAB = 248320
 
-# released Qwen3.5 text shapes (docs: qwen-architecture.md): hidden, layers, heads, kv heads, inter, lin k/v heads
+# released Qwen3.5 text shapes (their config.json files): hidden, layers, heads, kv heads, inter, lin k/v heads
 QWEN35_SIZES = {
     "0.8B": (1024, 24, 8, 2, 3584, 16, 16, True),
     "2B": (2048, 24, 8, 2, 6144, 16, 16, True),

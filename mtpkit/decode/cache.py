@@ -7,6 +7,8 @@ verified token (as vLLM does) and `commit` gathers the one after the last accept
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from ..models.config import ModelConfig
@@ -76,9 +78,17 @@ class Cache:
     def gdn_states(self) -> list[GDNState]:
         return [s for s in self.layers if isinstance(s, GDNState)]
 
-    def keep_history(self, on: bool) -> None:
+    @contextmanager
+    def verifying(self):
+        """Within the block, GDN layers keep the state after every token of a forward, so that `commit` can
+        continue from the one after the last accepted token."""
         for s in self.gdn_states():
-            s.keep_history = on
+            s.keep_history = True
+        try:
+            yield self
+        finally:
+            for s in self.gdn_states():
+                s.keep_history = False
 
     def commit(self, keep: torch.Tensor) -> None:
         for s in self.gdn_states():

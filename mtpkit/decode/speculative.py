@@ -6,7 +6,7 @@ Sampling"): accept draft d with probability min(1, p(d)/q(d)), on the first reje
 normalize(max(p - q, 0)), and when every draft is accepted draw a bonus token from p. The output distribution
 is then exactly the trunk's. Greedy decoding is the limit: accept while the draft equals the trunk's argmax.
 
-Position convention (vLLM's, see mtp-reference.md): the MTP row that predicts the token at position t+2 sees
+Position convention (vLLM's, docs/MTP.md section 2): the MTP row that predicts the token at position t+2 sees
 the trunk hidden at t and the token at t+1, at position t; chained depth j adds j-1 to that position.
 """
 
@@ -166,15 +166,14 @@ def step(model, cache, last, pos, delta, m, top: int, k: int, head: DraftHead, p
     drafts, q, count = draft(model, cache, m, pos, delta, top, k, head, generator)
     K = drafts.shape[1]
     slots = pos[:, None] + torch.arange(K + 1, device=pos.device)
-    cache.keep_history(True)
-    out = model(torch.cat([last[:, None], drafts], 1), positions=slots + delta[:, None], cache=cache,
-                cache_positions=slots, kv_len=top + K + 1)
+    with cache.verifying():
+        out = model(torch.cat([last[:, None], drafts], 1), positions=slots + delta[:, None], cache=cache,
+                    cache_positions=slots, kv_len=top + K + 1)
     if params.greedy:
         n, tokens = accept_greedy(drafts, out.logits, count)
     else:
         n, tokens = accept_sampling(drafts, q, probs(out.logits, params), generator, count)
     cache.commit(n + 1)  # GDN layers continue from the state after the last accepted token
-    cache.keep_history(False)
     # MTP row j: trunk hidden at pos+j and the token emitted after it; row n, the last one kept, drafts next
     ext = mtp_extend(model, cache, out.hidden, tokens, pos, delta, top)
     return n, count, tokens, ext[torch.arange(n.shape[0], device=n.device), n]

@@ -7,7 +7,7 @@ Heads 1..n-1 are one full-attention decoder layer each, then the trunk's final n
 
 The heads read the trunk's post-final-norm hidden (`ModelOutput.hidden`), not Gloeckle's pre-norm residual
 stream: it is the tensor CausalLM returns in training and in the verify forward alike, and what the sequential
-MTP module reads too (mtp-reference.md section 1). Each head's input_layernorm renormalises it anyway.
+MTP module reads too (docs/MTP.md section 2). Each head's input_layernorm renormalises it anyway.
 """
 
 from __future__ import annotations

@@ -46,10 +46,9 @@ def test_partial_acceptance_rollback_equals_accepted_only(model):
     with torch.no_grad():
         for c in (spec, ref):
             model(ids[:, :20], positions=_pos(0, 20, 2), cache=c)
-        spec.keep_history(True)
-        model(ids[:, 20:24], positions=_pos(20, 4, 2), cache=spec)
+        with spec.verifying():
+            model(ids[:, 20:24], positions=_pos(20, 4, 2), cache=spec)
         spec.commit(keep)
-        spec.keep_history(False)
         for row in range(2):
             k = int(keep[row])
             model(ids[row : row + 1, 20 : 20 + k], positions=_pos(20, k), cache=ref.rows(slice(row, row + 1)))

@@ -1,4 +1,4 @@
-"""The MTP module: released Qwen3.5 layout, the formula of mtp-reference.md section 1, chaining and add_mtp."""
+"""The MTP module: released Qwen3.5 layout, the formula of docs/MTP.md section 2 (vLLM's), chaining and add_mtp."""
 
 import copy
 

@@ -10,19 +10,22 @@ import mtpkit
 from mtpkit.bench.speedup import DEFAULT_HEAD, resource
 from mtpkit.checkpoint.mtp_head import load_mtp_head
 from mtpkit.tokenizer import encode_prompt, load_tokenizer
-from mtpkit.train.distill import mixed_prompts
+from mtpkit.assets import cache_dir
+from mtpkit.train.data import shakespeare_texts
+from mtpkit.train.distill_prompts import build_prompts
 
 pytestmark = pytest.mark.slow
 
-TRAIN_PROMPTS, TRAIN_SEED = 2400, 0  # configs/smollm2_mtp_head.toml's distillation
+TRAIN_PROMPTS, TRAIN_SEED = 12000, 0  # configs/smollm2_mtp_head.toml's distillation
 
 
 @pytest.fixture(scope="module")
 def held_back(smollm2_gguf):
     model = mtpkit.load_model(smollm2_gguf)
     tok = load_tokenizer(smollm2_gguf)
-    seen = {p["prompt"] for p in mixed_prompts(TRAIN_PROMPTS, TRAIN_SEED)}
-    prompts = [p for p in mixed_prompts(200, seed=777) if p["prompt"] not in seen][:12]
+    texts = shakespeare_texts(cache_dir() / "shakespeare")
+    seen = {p.get("prompt") for p in build_prompts(TRAIN_PROMPTS, TRAIN_SEED, texts)}
+    prompts = [p for p in build_prompts(400, 777) if p.get("prompt") not in seen and "ask" not in p][:12]
     assert len(prompts) == 12
     ids = [encode_prompt(tok, p["prompt"], p["chat"]) for p in prompts]
     out = mtpkit.generate(model, ids, max_new_tokens=48, eos_token_id=tok.eos_token_id)

@@ -54,9 +54,8 @@ def step_times(model, ids: torch.Tensor, repeats: int) -> dict:
                                                   kv_len=P + 1), w.device, repeats)}
     for k in KS:
         def verify(k=k):
-            cache.keep_history(True)  # the recorded history is dropped: each call verifies from the same state
-            model(ids[:, P : P + k + 1], positions=pos[:, P : P + k + 1], cache=cache, kv_len=P + k + 1)
-            cache.keep_history(False)
+            with cache.verifying():  # the recorded history is dropped: each call verifies from the same state
+                model(ids[:, P : P + k + 1], positions=pos[:, P : P + k + 1], cache=cache, kv_len=P + k + 1)
 
         out[f"verify{k + 1}"] = median_seconds(verify, w.device, repeats)
     return out

@@ -17,13 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_files import TINY, tiny_model, write_gguf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 import mtpkit
-from test_safe_write import TINY, _model
-from test_untrusted_files import write_gguf
 
 gguf = pytest.importorskip("gguf")
 
@@ -56,7 +55,7 @@ def _outcome(load, check):
 
 # ----------------------------------------------------------------------------------------------------- config.json
 _SAFE_DIR = _WORK / "safetensors"
-mtpkit.save_model(_model(0), _SAFE_DIR / "ref")
+mtpkit.save_model(tiny_model(0), _SAFE_DIR / "ref")
 _REF = load_file(_SAFE_DIR / "ref" / "model.safetensors")
 
 _VALUES = st.one_of(

@@ -6,6 +6,7 @@ import zipfile
 import numpy as np
 import pytest
 import torch
+from checkpoint_files import llama_cpp_permute
 
 from mtpkit import assets
 from mtpkit.checkpoint.gguf import _unpermute_qk, load_gguf_tokenizer, read_gguf
@@ -31,11 +32,6 @@ SMOLLM2_CONFIG = {
     "attention_bias": False,
     "mlp_bias": False,
 }
-
-
-def _llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute (HF layout -> GGUF layout)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -142,8 +138,8 @@ def test_qk_unpermutation_is_what_makes_the_model_work(our_model, smollm2_tokeni
     wrong = {}
     for i, layer in enumerate(our_model.model.layers):
         attn = layer.self_attn
-        wrong[f"model.layers.{i}.self_attn.q_proj.weight"] = _llama_cpp_permute(attn.q_proj.weight, cfg.num_attention_heads)
-        wrong[f"model.layers.{i}.self_attn.k_proj.weight"] = _llama_cpp_permute(attn.k_proj.weight, cfg.num_key_value_heads)
+        wrong[f"model.layers.{i}.self_attn.q_proj.weight"] = llama_cpp_permute(attn.q_proj.weight, cfg.num_attention_heads)
+        wrong[f"model.layers.{i}.self_attn.k_proj.weight"] = llama_cpp_permute(attn.k_proj.weight, cfg.num_key_value_heads)
     with torch.no_grad():
         good = our_model(ids, labels=ids).loss.item()
         bad = functional_call(our_model, wrong, (ids,), {"labels": ids}).loss.item()
@@ -186,9 +182,9 @@ def test_not_gguf_gives_clear_error(tmp_path):
 def test_unpermute_inverts_llama_cpp_permute():
     n_head, head_dim, d_in = 3, 8, 5
     w = torch.randn(n_head * head_dim, d_in)
-    assert torch.equal(_unpermute_qk(_llama_cpp_permute(w, n_head), n_head), w)
+    assert torch.equal(_unpermute_qk(llama_cpp_permute(w, n_head), n_head), w)
     # explicit formula: W_hf[h*d + s*d/2 + j] = W_gguf[h*d + 2j + s]
-    g = _llama_cpp_permute(w, n_head)
+    g = llama_cpp_permute(w, n_head)
     for h in range(n_head):
         for s in range(2):
             for j in range(head_dim // 2):
@@ -242,9 +238,9 @@ def _write_tiny_llama(path, arch="llama", tied=False, seed=0):
         else:
             gname = names[name]
         if gname.endswith("attn_q.weight"):
-            t = _llama_cpp_permute(t, n_heads)
+            t = llama_cpp_permute(t, n_heads)
         elif gname.endswith("attn_k.weight"):
-            t = _llama_cpp_permute(t, n_kv)
+            t = llama_cpp_permute(t, n_kv)
         w.add_tensor(gname, np.ascontiguousarray(t.numpy()))
     w.write_header_to_file()
     w.write_kv_data_to_file()

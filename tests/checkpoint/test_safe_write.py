@@ -10,20 +10,12 @@ import sys
 
 import pytest
 import torch
+from checkpoint_files import TINY, tiny_model
 from safetensors.torch import save_file
 
 import mtpkit
 from mtpkit import CheckpointError
 from mtpkit.checkpoint.mtp_head import load_mtp_head, save_mtp_head
-
-TINY = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 48, "tie_word_embeddings": False}
-
-
-def _model(seed=0, mtp=0):
-    torch.manual_seed(seed)
-    return mtpkit.build_model(dict(TINY, mtp_num_hidden_layers=mtp))
-
 
 def _equal(a, b):
     sa, sb = a.state_dict(), b.state_dict()
@@ -32,10 +24,10 @@ def _equal(a, b):
 
 def test_non_empty_target_is_refused_and_left_untouched(tmp_path):
     out = tmp_path / "m"
-    mtpkit.save_model(_model(0), out)
+    mtpkit.save_model(tiny_model(0), out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     with pytest.raises(CheckpointError, match=r"already holds config\.json, model\.safetensors: pass overwrite=True"):
-        mtpkit.save_model(_model(1), out)
+        mtpkit.save_model(tiny_model(1), out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no temporary sibling left behind
 
@@ -44,7 +36,7 @@ def test_overwrite_removes_old_shards_and_index(tmp_path):
     """A sharded checkpoint overwritten by a single-file one: before the fix the old index stayed and the
     directory loaded the OLD weights without a word."""
     out = tmp_path / "m"
-    old, new = _model(0), _model(1)
+    old, new = tiny_model(0), tiny_model(1)
     mtpkit.save_model(old, out, max_shard_bytes=4096)
     assert (out / "model.safetensors.index.json").exists()
     (out / "README.md").write_text("notes")
@@ -57,7 +49,7 @@ def test_overwrite_removes_old_shards_and_index(tmp_path):
 def test_loaded_weights_do_not_follow_the_file(tmp_path):
     """Same dtype on disk and in memory: the parameters must be copies, not views of the memory-mapped file."""
     out = tmp_path / "m"
-    mtpkit.save_model(_model(0), out)
+    mtpkit.save_model(tiny_model(0), out)
     model = mtpkit.load_model(out)
     ref = {k: v.clone() for k, v in model.state_dict().items()}
     f = out / "model.safetensors"
@@ -70,7 +62,7 @@ def test_loaded_weights_do_not_follow_the_file(tmp_path):
 def test_truncating_the_file_after_loading_does_not_kill_the_process(tmp_path):
     """With mmap-backed parameters, reading them after the file shrank raised SIGBUS."""
     out = tmp_path / "m"
-    mtpkit.save_model(_model(0), out)
+    mtpkit.save_model(tiny_model(0), out)
     code = (f"import os, torch, mtpkit; m = mtpkit.load_model({str(out)!r}); "
             f"os.truncate({str(out / 'model.safetensors')!r}, 100); "
             "print(float(sum(p.double().sum() for p in m.parameters())))")
@@ -80,7 +72,7 @@ def test_truncating_the_file_after_loading_does_not_kill_the_process(tmp_path):
 
 
 def test_failed_head_load_leaves_the_head_untouched(tmp_path):
-    trained = _model(0, mtp=1)
+    trained = tiny_model(0, mtp=1)
     before = {k: v.clone() for k, v in trained.mtp.state_dict().items()}
     other = mtpkit.build_model(dict(TINY, hidden_size=48, head_dim=24, mtp_num_hidden_layers=2))
     head = save_mtp_head(other, tmp_path / "other.safetensors")
@@ -89,13 +81,13 @@ def test_failed_head_load_leaves_the_head_untouched(tmp_path):
     assert len(trained.mtp.layers) == 1  # not replaced by a random 2-layer head
     assert all(torch.equal(v, before[k]) for k, v in trained.mtp.state_dict().items())
     # power: a head that fits does replace it
-    good = save_mtp_head(_model(5, mtp=1), tmp_path / "good.safetensors", dtype=None)
+    good = save_mtp_head(tiny_model(5, mtp=1), tmp_path / "good.safetensors", dtype=None)
     load_mtp_head(trained, good)
     assert not torch.equal(trained.mtp.fc.weight, before["fc.weight"])
 
 
 def test_head_naming_a_million_layers_fails_from_the_header(tmp_path):
-    model = _model(0, mtp=1)
+    model = tiny_model(0, mtp=1)
     head = {f"mtp.{k}": v for k, v in model.mtp.state_dict().items()}
     head["mtp.layers.999999.input_layernorm.weight"] = torch.ones(32)
     save_file(head, str(tmp_path / "h.safetensors"))
@@ -105,19 +97,19 @@ def test_head_naming_a_million_layers_fails_from_the_header(tmp_path):
 
 def test_head_file_write_is_refused_then_overwritten(tmp_path):
     path = tmp_path / "head.safetensors"
-    save_mtp_head(_model(0, mtp=1), path, dtype=None)
+    save_mtp_head(tiny_model(0, mtp=1), path, dtype=None)
     first = path.read_bytes()
     with pytest.raises(ValueError, match="already holds head.safetensors"):
-        save_mtp_head(_model(1, mtp=1), path)
+        save_mtp_head(tiny_model(1, mtp=1), path)
     assert path.read_bytes() == first
-    save_mtp_head(_model(1, mtp=1), path, dtype=None, overwrite=True)
+    save_mtp_head(tiny_model(1, mtp=1), path, dtype=None, overwrite=True)
     assert path.read_bytes() != first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["head.safetensors"]
 
 
 def test_index_must_have_a_weight_map_inside_the_directory(tmp_path):
     out = tmp_path / "m"
-    mtpkit.save_model(_model(0), out, max_shard_bytes=4096)
+    mtpkit.save_model(tiny_model(0), out, max_shard_bytes=4096)
     index = out / "model.safetensors.index.json"
     good = json.loads(index.read_text())
     index.write_text(json.dumps({"metadata": {}}))
@@ -128,12 +120,12 @@ def test_index_must_have_a_weight_map_inside_the_directory(tmp_path):
     with pytest.raises(CheckpointError, match=r"points at '\.\./elsewhere/model\.safetensors', outside"):
         mtpkit.load_model(out)
     index.write_text(json.dumps(good))
-    assert _equal(mtpkit.load_model(out), _model(0))  # power: the intact index loads
+    assert _equal(mtpkit.load_model(out), tiny_model(0))  # power: the intact index loads
 
 
 def test_duplicate_tensor_across_shards_is_refused(tmp_path):
     out = tmp_path / "m"
-    mtpkit.save_model(_model(0), out)
+    mtpkit.save_model(tiny_model(0), out)
     save_file({"model.norm.weight": torch.zeros(32)}, str(out / "stale.safetensors"))
     with pytest.raises(CheckpointError, match=r"model\.norm\.weight is in both model\.safetensors and stale"):
         mtpkit.load_model(out)
@@ -141,7 +133,7 @@ def test_duplicate_tensor_across_shards_is_refused(tmp_path):
 
 def test_integer_tensor_is_refused_with_dtype_none(tmp_path):
     out = tmp_path / "m"
-    mtpkit.save_model(_model(0), out)
+    mtpkit.save_model(tiny_model(0), out)
     from safetensors.torch import load_file
 
     sd = load_file(out / "model.safetensors")

@@ -5,7 +5,7 @@ exactness with gating is tested with the other chi-square tests in test_speculat
 
 import pytest
 import torch
-from test_speculative import PROMPTS, drafting_model
+from drafting import PROMPTS, drafting_model
 
 import mtpkit
 from mtpkit.decode import speculative as spec

@@ -4,38 +4,13 @@ the trunk's distribution exactly (statistical tests with a fixed seed, shown to 
 
 import pytest
 import torch
-from drafting import make_drafting
+from drafting import CONFIGS, PROMPTS, drafting_model
 
 import mtpkit
 from mtpkit.decode import speculative as spec
 from mtpkit.decode.sampling import SamplingParams, probs
 
-_BASE = dict(vocab_size=32, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-             intermediate_size=96, rms_norm_eps=1e-6, max_position_embeddings=256, mtp_num_hidden_layers=1)
-_GDN = dict(head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-            linear_value_head_dim=16, linear_conv_kernel_dim=4)
-_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
-_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
-CONFIGS = {
-    "qwen3_5": dict(_BASE, **_GDN, model_type="qwen3_5_text", rope_parameters=dict(_ROPE, mrope_section=[2, 1, 1])),
-    "qwen3_5_moe": dict(_BASE, **_GDN, **_MOE, model_type="qwen3_5_moe_text",
-                        rope_parameters=dict(_ROPE, mrope_section=[2, 1, 1])),
-    "qwen3_next": dict(_BASE, **_GDN, **_MOE, model_type="qwen3_next", decoder_sparse_step=2, mlp_only_layers=[2],
-                       rope_parameters=_ROPE),
-    "llama": dict(_BASE, head_dim=16, num_hidden_layers=3, model_type="llama"),
-    # untied: with a tied lm_head this construction would only ever repeat the last token
-    "qwen3": dict(_BASE, head_dim=16, num_hidden_layers=3, model_type="qwen3"),
-}
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [30, 4, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12]]
-
-
-def drafting_model(family: str, mtp_layers: int = 1, noise: float = 0.17, seed: int = 0):
-    """A tiny random model (vocab 32) whose MTP head drafts well but not perfectly (see `make_drafting`)."""
-    torch.manual_seed(seed)
-    return make_drafting(mtpkit.build_model(dict(CONFIGS[family], mtp_num_hidden_layers=mtp_layers)), noise, seed)
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))

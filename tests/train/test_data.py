@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from train_runs import make_tokenizer
 
 from mtpkit.train.data import (
     DataError,
@@ -19,7 +20,6 @@ from mtpkit.train.data import (
 )
 from mtpkit.train.loss import IGNORE, mtp_targets, shift_labels
 from mtpkit.train.config import DataSection
-from test_trainer import make_tokenizer
 
 
 def docs_of(*lengths, start=1):

@@ -1,33 +1,10 @@
 """FSDP2 over 2 CPU processes (torchrun, gloo) matches 1 process with the same global batch, step for step; its
 sharded DCP checkpoint resumes in 1 process."""
 
-import os
-import subprocess
-import sys
-
 import pytest
-
-from test_trainer import read_metrics, tiny_raw_config, write_toml
+from train_runs import assert_runs_close, read_metrics, tiny_raw_config, torchrun, write_toml
 
 pytestmark = pytest.mark.slow
-
-
-def _torchrun(args, cwd, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "mtpkit", *args]
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
-
-
-def _close(a: list[dict], b: list[dict], rel=2e-5, grad_rel=1e-4):
-    assert [r["step"] for r in a] == [r["step"] for r in b]
-    for ra, rb in zip(a, b):
-        for key in ("loss", "main_loss"):
-            assert ra[key] == pytest.approx(rb[key], rel=rel, abs=1e-6), (ra["step"], key)
-        assert ra["mtp_loss"] == pytest.approx(rb["mtp_loss"], rel=rel, abs=1e-6), ra["step"]
-        assert ra["mtp_acc"] == pytest.approx(rb["mtp_acc"], abs=1e-9), ra["step"]
-        assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=grad_rel), ra["step"]
 
 
 def test_fsdp2_two_ranks_match_one_rank(tmp_path):
@@ -38,17 +15,17 @@ def test_fsdp2_two_ranks_match_one_rank(tmp_path):
     # 1 process: the global batch of 4 rows in 2 micro-batches of 2
     assert main(["train", str(cfg), f"--train.run_dir={tmp_path / 'one'}", "--train.micro_batch_size=2"]) == 0
     # 2 processes, FSDP2 on every block: 2 rows per rank in 2 micro-batches of 1
-    out = _torchrun(["train", str(cfg), f"--train.run_dir={tmp_path / 'two'}", "--train.micro_batch_size=1"], tmp_path)
-    assert "FSDP2 over 2 ranks" in out.stdout + out.stderr
+    out = torchrun(2, ["train", str(cfg), f"--train.run_dir={tmp_path / 'two'}", "--train.micro_batch_size=1"], tmp_path)
+    assert "FSDP2 over 2 ranks" in out
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert len(one) == 4 and one[-1]["loss"] < one[0]["loss"]
-    _close(one, two)
+    assert_runs_close(one, two)
 
     # the 2-rank sharded checkpoint of step 2 resumes in 1 process and continues exactly like the 1-rank run
     resumed = tmp_path / "resumed"
     assert main(["train", str(cfg), f"--train.run_dir={resumed}",
                  f"--checkpoint.resume={tmp_path / 'two' / 'checkpoints' / 'step-00000002'}"]) == 0
-    _close(one[2:], read_metrics(resumed))
+    assert_runs_close(one[2:], read_metrics(resumed))
 
 
 def test_fsdp2_mtp_only_with_activation_checkpointing_matches_one_rank(tmp_path):
@@ -59,11 +36,11 @@ def test_fsdp2_mtp_only_with_activation_checkpointing_matches_one_rank(tmp_path)
     raw = tiny_raw_config(tmp_path, train={"steps": 3, "batch_size": 4}, mtp={"only": True})
     cfg = write_toml(tmp_path / "cfg.toml", raw)
     assert main(["train", str(cfg), f"--train.run_dir={tmp_path / 'one'}"]) == 0
-    _torchrun(["train", str(cfg), f"--train.run_dir={tmp_path / 'two'}", "--train.micro_batch_size=1",
-               "--parallel.ac=full"], tmp_path)
+    torchrun(2, ["train", str(cfg), f"--train.run_dir={tmp_path / 'two'}", "--train.micro_batch_size=1",
+                 "--parallel.ac=full"], tmp_path)
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert one[-1]["loss"] < one[0]["loss"]
-    _close(one, two)
+    assert_runs_close(one, two)
 
 
 def test_fsdp2_on_image_data_matches_one_rank(tmp_path):
@@ -86,7 +63,7 @@ def test_fsdp2_on_image_data_matches_one_rank(tmp_path):
            "train": {"steps": 3, "batch_size": 4}, "optim": {"lr": 3e-3}, "log": {"progress": False}}
     cfg = write_toml(tmp_path / "cfg.toml", raw)
     assert main(["train", str(cfg), f"--train.run_dir={tmp_path / 'one'}"]) == 0
-    _torchrun(["train", str(cfg), f"--train.run_dir={tmp_path / 'two'}", "--train.micro_batch_size=1"], tmp_path)
+    torchrun(2, ["train", str(cfg), f"--train.run_dir={tmp_path / 'two'}", "--train.micro_batch_size=1"], tmp_path)
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert one[-1]["loss"] < one[0]["loss"]
-    _close(one, two)
+    assert_runs_close(one, two)

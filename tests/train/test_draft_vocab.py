@@ -8,12 +8,11 @@ import importlib
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from train_runs import TINY_LLAMA, tiny_raw_config
 
 from mtpkit.checkpoint.hf import CheckpointError, build_model
 from mtpkit.checkpoint.mtp_head import DRAFT_VOCAB, load_mtp_head, save_mtp_head
 from mtpkit.models.mtp import add_mtp
-
-from test_features import TINY_LLAMA
 
 gen = importlib.import_module("mtpkit.decode.generate")  # the module (the package exports its function by name)
 
@@ -65,8 +64,6 @@ def test_a_run_with_draft_vocab_exports_it_in_the_head(tmp_path):
     from mtpkit.train.config import config_from_dict
     from mtpkit.train.draft_vocab import read_run_draft_vocab
     from mtpkit.train.trainer import train
-
-    from test_trainer import tiny_raw_config
 
     raw = tiny_raw_config(tmp_path, mtp={"depth": 2, "only": True, "draft_vocab": 64},
                           train={"steps": 1, "batch_size": 2, "micro_batch_size": 2})

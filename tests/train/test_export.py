@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from train_runs import TINY_MODEL, read_metrics, tiny_raw_config, write_toml
 
 import mtpkit
 from mtpkit.cli import main
-from test_trainer import TINY_MODEL, read_metrics, tiny_raw_config, write_toml
 
 
 def _tensor_names(d):

@@ -12,18 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from train_runs import TINY_LLAMA, make_tokenizer
 
 from mtpkit.checkpoint.hf import build_model, load_model, save_model
 from mtpkit.train import features as F
 from mtpkit.train.config import config_from_dict
 from mtpkit.train.features import FeatureStore, build_features
-
-from test_trainer import make_tokenizer
-
-TINY_LLAMA = {"model_type": "llama", "vocab_size": 320, "hidden_size": 32, "num_hidden_layers": 2,
-              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64,
-              "tie_word_embeddings": True, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
-              "max_position_embeddings": 512}
 
 
 def write_records(path: Path, n: int = 24, seed: int = 0, length: int = 0) -> Path:

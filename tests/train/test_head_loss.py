@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from train_runs import TINY_LLAMA
 
 from mtpkit.models.config import config_from_hf
 from mtpkit.models.mtp import add_mtp
@@ -14,8 +15,6 @@ from mtpkit.models.transformer import CausalLM
 from mtpkit.train.draft_vocab import draft_vocabulary
 from mtpkit.train.loss import IGNORE, LossConfig, compute_loss, freeze_trunk, mtp_targets, shift_labels, tau_sim
 from mtpkit.train.soft_ce import chunked_soft_cross_entropy
-
-from test_features import TINY_LLAMA
 
 
 def _reference_soft(h, w, ids, logprobs, valid):

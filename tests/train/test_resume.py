@@ -8,8 +8,7 @@ import sys
 import time
 
 import pytest
-
-from test_trainer import read_metrics, tiny_raw_config, write_toml
+from train_runs import read_metrics, tiny_raw_config, write_toml
 
 pytestmark = pytest.mark.slow
 

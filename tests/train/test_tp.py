@@ -2,21 +2,16 @@
 under torchrun (gloo, CPU) tp = 2 and dp_shard = 2 x tp = 2 train like 1 process step for step, MTP-only included;
 DCP checkpoints reshard between meshes both ways; export from a TP run equals export from 1 process."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from safetensors.torch import load_file
 from torch.distributed.tensor import Replicate, Shard
+from train_runs import TINY_MODEL, assert_runs_close, read_metrics, tiny_raw_config, torchrun, write_toml
 
 from mtpkit.models.config import config_from_hf
 from mtpkit.models.gated_deltanet import GatedDeltaNet
 from mtpkit.models.layers import SparseMoE
 from mtpkit.parallel.tp import Parts, _gdn_layouts, _moe_layouts, check_tp
-from test_distributed import _close
-from test_trainer import TINY_MODEL, read_metrics, tiny_raw_config, write_toml
 
 # a Qwen3.5-MoE-shaped hybrid: GDN layer with a dense MLP, gated attention layer with MoE (shared expert), 4 GDN
 # value heads over 2 key heads, so [q | k | v] has unequal parts; every sharded size divides by 2
@@ -111,15 +106,6 @@ def test_mesh_and_config_errors():
 
 
 # ------------------------------------------------------------------------------------------ torchrun, gloo
-def _torchrun(nproc, args, cwd, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", "mtpkit", *args]
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc.stdout + proc.stderr
-
-
 def _chunks(ckpt, name: str) -> int:
     """How many shards DCP wrote for one tensor of a checkpoint."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -138,18 +124,18 @@ def test_tp2_trains_like_one_process_and_its_checkpoint_resumes_and_exports_in_o
 
     cfg = _tp_config(tmp_path, train={"steps": 4, "batch_size": 4, "micro_batch_size": 2})
     assert main(["train", str(cfg), f"--train.run_dir={tmp_path / 'one'}"]) == 0
-    log = _torchrun(2, ["train", str(cfg), f"--train.run_dir={tmp_path / 'tp2'}", "--parallel.tp=2"], tmp_path)
+    log = torchrun(2, ["train", str(cfg), f"--train.run_dir={tmp_path / 'tp2'}", "--parallel.tp=2"], tmp_path)
     assert "tensor parallelism over 2 ranks (x 1 data-parallel)" in log
     one, tp2 = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "tp2")
     assert len(one) == 4 and one[-1]["loss"] < one[0]["loss"]
-    _close(one, tp2, rel=1e-6, grad_rel=1e-6)
+    assert_runs_close(one, tp2, rel=1e-6, grad_rel=1e-6)
 
     step2 = tmp_path / "tp2" / "checkpoints" / "step-00000002"
     # the weights really were sharded: vocabulary rows and MoE experts' columns in two pieces
     assert _chunks(step2, "model.embed_tokens.weight") == 2 and _chunks(step2, "model.layers.1.mlp.experts.down_proj") == 2
     # tp = 2 -> 1 process: the sharded checkpoint resumes and continues like the 1-process run
     assert main(["train", str(cfg), f"--train.run_dir={tmp_path / 'resumed'}", f"--checkpoint.resume={step2}"]) == 0
-    _close(one[2:], read_metrics(tmp_path / "resumed"), rel=1e-6, grad_rel=1e-6)
+    assert_runs_close(one[2:], read_metrics(tmp_path / "resumed"), rel=1e-6, grad_rel=1e-6)
 
     # export of the TP run's final checkpoint = export of the 1-process run's: same names and shapes, and values
     # equal up to AdamW's scale-free step (lr 3e-3) amplifying last-bit gradient differences on elements whose
@@ -172,11 +158,11 @@ def test_mtp_only_tp2_resumes_a_one_process_checkpoint(tmp_path):
                      train={"steps": 4, "batch_size": 4, "micro_batch_size": 2})
     assert main(["train", str(cfg), f"--train.run_dir={tmp_path / 'one'}"]) == 0
     step2 = tmp_path / "one" / "checkpoints" / "step-00000002"
-    _torchrun(2, ["train", str(cfg), f"--train.run_dir={tmp_path / 'tp2'}", "--parallel.tp=2", "--parallel.ac=full",
-                  f"--checkpoint.resume={step2}"], tmp_path)
+    torchrun(2, ["train", str(cfg), f"--train.run_dir={tmp_path / 'tp2'}", "--parallel.tp=2", "--parallel.ac=full",
+                 f"--checkpoint.resume={step2}"], tmp_path)
     one, tp2 = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "tp2")
     assert [r["step"] for r in tp2] == [3, 4] and one[-1]["mtp_loss"][0] < one[0]["mtp_loss"][0]
-    _close(one[2:], tp2, rel=1e-6, grad_rel=1e-6)
+    assert_runs_close(one[2:], tp2, rel=1e-6, grad_rel=1e-6)
 
 
 @pytest.mark.slow
@@ -189,7 +175,7 @@ def test_dp2_x_tp2_trains_like_one_process(tmp_path):
                           train={"steps": 2, "batch_size": 4, "micro_batch_size": 2})
     cfg = write_toml(tmp_path / "cfg.toml", raw)
     assert main(["train", str(cfg), f"--train.run_dir={tmp_path / 'one'}"]) == 0
-    log = _torchrun(4, ["train", str(cfg), f"--train.run_dir={tmp_path / 'four'}", "--parallel.dp_shard=2",
-                        "--parallel.tp=2", "--train.micro_batch_size=1"], tmp_path)
+    log = torchrun(4, ["train", str(cfg), f"--train.run_dir={tmp_path / 'four'}", "--parallel.dp_shard=2",
+                       "--parallel.tp=2", "--train.micro_batch_size=1"], tmp_path)
     assert "tensor parallelism over 2 ranks (x 2 data-parallel)" in log and "FSDP2 over 2 ranks" in log
-    _close(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "four"), rel=1e-6, grad_rel=1e-6)
+    assert_runs_close(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "four"), rel=1e-6, grad_rel=1e-6)

@@ -14,9 +14,9 @@ import torch
 from torch import Tensor
 
 from ..models.transformer import default_positions
+from ..models.vlm import VISION_INPUTS
 from .chunked_ce import chunked_cross_entropy
 from .soft_ce import chunked_soft_cross_entropy
-from .vision_data import VISION_KEYS
 
 IGNORE = -100
 
@@ -163,7 +163,7 @@ def _hidden_states(model, batch: dict, n: int, cfg: LossConfig) -> tuple[Tensor,
         hidden = batch["hidden"].to(embeds.dtype)
         pos = default_positions(ids, seg) if pos is None else pos
         return hidden, model.mtp_teacher_forced(embeds, hidden, pos, seg, n)
-    vision = {k: batch[k] for k in VISION_KEYS if k in batch}  # image patches: a vision-language model
+    vision = {k: batch[k] for k in VISION_INPUTS if k in batch}  # image patches: a vision-language model
     if not cfg.mtp_only:
         out = model(ids, positions=pos, segment_ids=seg, mtp=n or False, return_logits=False,
                     detach_trunk=cfg.detach_trunk, **vision)

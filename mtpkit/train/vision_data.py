@@ -22,8 +22,6 @@ import torch
 from ..models.multimodal import IMAGE_BLOCK, IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, open_images
 from .data import DataError, chat_tokens, read_records
 
-VISION_KEYS = ("pixel_values", "image_grid_thw")
-
 
 def _flatten_chat(messages, base: Path) -> tuple[list[dict], list[Path]]:
     """Chat with image parts -> the same chat with string contents, and its image paths in order."""

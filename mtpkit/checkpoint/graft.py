@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..models.config import ConfigError, config_from_hf, text_config_dict
+from ..models.mtp import is_mtp_param
 from ..models.transformer import CausalLM
 from .hf import CheckpointError, CheckpointInfo, _SafetensorsDir, checkpoint_state_dict
 from .safe_write import write_dir
@@ -67,7 +68,7 @@ def read_head(path) -> Head:
             tensors = load_file(str(path))
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{path} is not a readable safetensors file ({e})") from None
-        if not tensors or not all(n.startswith("mtp.") for n in tensors):
+        if not tensors or not all(is_mtp_param(n) for n in tensors):
             raise CheckpointError(f"{path} is not an MTP head file (only mtp.* tensors, as `mtpkit export --mtp-only` "
                                   "writes): pass it or the HF directory of the model the head comes from")
         fc = tensors.get("mtp.fc.weight")
@@ -75,7 +76,7 @@ def read_head(path) -> Head:
     raw = _config(path)
     text, _ = text_config_dict(raw)
     source = _SafetensorsDir(path)
-    names = [n for n in source.names() if n.startswith("mtp.")]
+    names = [n for n in source.names() if is_mtp_param(n)]
     if not names:
         raise CheckpointError(f"{path} has no mtp.* tensors: there is no head to graft (a checkpoint saved through "
                               "transformers lost it; take the head from the released model)")
@@ -97,7 +98,7 @@ def _expected(config, raw: dict, head: Head) -> dict[str, tuple[int, ...]]:
         model = CausalLM(config)
     per_expert = {m[1] for n in head.tensors if (m := _PER_EXPERT_PREFIX.match(n))}
     model.checkpoint_info = CheckpointInfo(raw_config=raw, per_expert=per_expert)
-    return {n: tuple(t.shape) for n, t in checkpoint_state_dict(model).items() if n.startswith("mtp.")}
+    return {n: tuple(t.shape) for n, t in checkpoint_state_dict(model).items() if is_mtp_param(n)}
 
 
 def check_fit(head: Head, raw: dict, base, target) -> None:
@@ -161,7 +162,7 @@ def _copy_weights(source: _SafetensorsDir, tmp: Path) -> dict[str, str]:
         by_file.setdefault(f, []).append(name)
     weight_map = {}
     for f, names in by_file.items():
-        keep = [n for n in names if not n.startswith("mtp.")]
+        keep = [n for n in names if not is_mtp_param(n)]
         if not keep:
             continue
         if f.name == HEAD_FILE:

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from ..errors import CheckpointError
 from ..models.config import ConfigError, config_from_hf, text_config_dict
 from ..models.init import init_weights
+from ..models.mtp import is_mtp_param
 from ..models.transformer import CausalLM
 from ..models.vlm import VisionLanguageModel
 from .safe_write import write_dir
@@ -266,7 +267,7 @@ def load_model(
         raise CheckpointError(f"{path}: {e}") from None
     text_raw, vlm = text_config_dict(raw)
     names = list(source.names())
-    has_mtp = any(n.startswith("mtp.") for n in names)
+    has_mtp = any(is_mtp_param(n) for n in names)
     if not mtp:
         config = config.replace(mtp_num_hidden_layers=0)
     elif config.mtp_num_hidden_layers > 0 and not has_mtp:
@@ -294,7 +295,7 @@ def load_model(
             else:
                 unexpected.append(name)
             continue
-        if name.startswith("mtp.") and not mtp:
+        if is_mtp_param(name) and not mtp:
             continue
         internal = _internal_name(name, vlm)
         m = _PER_EXPERT.match(internal)

@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..models.mtp import MTP, add_mtp
+from ..models.mtp import MTP, add_mtp, is_mtp_param
 from .hf import CheckpointError
 from .safe_write import write_file
 
@@ -62,7 +62,7 @@ def load_mtp_head(model, path):
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{path} is not a readable safetensors file ({e})") from None
     vocab_shape = shapes.pop(DRAFT_VOCAB, None)
-    other = [n for n in shapes if not n.startswith("mtp.")]
+    other = [n for n in shapes if not is_mtp_param(n)]
     if other:
         raise CheckpointError(f"{path} is not an MTP head: it holds tensors outside mtp.* ({', '.join(sorted(other)[:4])})")
     layers = {int(m[1]) for n in shapes if (m := _LAYER.match(n))}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from ..models.mtp import is_mtp_param
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("inspect", help="summarise a checkpoint (HF directory or .gguf)")
@@ -35,7 +37,7 @@ def _runs(seq):
 
 def summary(model) -> dict:
     cfg = model.config
-    count = lambda prefix: sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefix))  # noqa: E731
+    count = lambda keep: sum(p.numel() for n, p in model.named_parameters() if keep(n))  # noqa: E731
     info = getattr(model, "checkpoint_info", None)
     vision = sum(t.numel() for t in info.passthrough.values()) if info else 0
     dtypes = Counter(str(p.dtype).removeprefix("torch.") for p in model.parameters())
@@ -48,8 +50,8 @@ def summary(model) -> dict:
         "hidden": cfg.hidden_size,
         "vocab": cfg.vocab_size,
         "tied_embeddings": cfg.tie_word_embeddings,
-        "params_trunk": count("model.") + count("lm_head."),
-        "params_mtp": count("mtp."),
+        "params_trunk": count(lambda n: n.startswith(("model.", "lm_head."))),
+        "params_mtp": count(is_mtp_param),
         "params_vision": vision,
         "dtype": ", ".join(dtypes),
         "mtp_layers": cfg.mtp_num_hidden_layers,

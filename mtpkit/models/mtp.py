@@ -14,6 +14,12 @@ from .init import init_weights
 from .layers import RMSNorm
 
 
+def is_mtp_param(name: str) -> bool:
+    """Whether a parameter or checkpoint tensor name belongs to the MTP module (`mtp.*`). Wrappers (whole-model
+    compile, FSDP, activation checkpointing) may add a prefix, but the module path keeps `mtp.` as a component."""
+    return name.startswith("mtp.") or ".mtp." in name
+
+
 class MTP(nn.Module):
     """Sequential MTP module (DeepSeek-V3 / Qwen3.5 layout), one full-attention decoder layer per depth:
     norm(layer(fc(cat[pre_fc_norm_embedding(emb(t_{i+d})), pre_fc_norm_hidden(h_i)])))."""

@@ -11,6 +11,8 @@ import logging
 import torch
 from torch import nn
 
+from ..models.mtp import is_mtp_param
+
 logger = logging.getLogger("mtpkit")
 
 
@@ -56,7 +58,7 @@ def apply_fsdp(model, mesh, *, param_dtype: torch.dtype | None = None, reduce_dt
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     mtp = getattr(model, "mtp", None)
-    trunk_trains = any(p.requires_grad for n, p in model.named_parameters() if not n.startswith("mtp."))
+    trunk_trains = any(p.requires_grad for n, p in model.named_parameters() if not is_mtp_param(n))
     blocks = _blocks(model) if trunk_trains or mtp is None else [(mtp.layers, i) for i in range(len(mtp.layers))]
     for container, i in blocks:
         fully_shard(container[i], mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..models.mtp import is_mtp_param
 from ..models.transformer import default_positions
 from ..models.vlm import VISION_INPUTS
 from .chunked_ce import chunked_cross_entropy
@@ -149,7 +150,7 @@ def count_tokens(batch: dict, cfg: LossConfig, model, step: int) -> dict:
 def freeze_trunk(model):
     """requires_grad=False on every parameter outside `mtp.` (MTP-only training); returns the model."""
     for name, p in model.named_parameters():
-        if not name.startswith("mtp."):
+        if not is_mtp_param(name):
             p.requires_grad_(False)
     return model
 

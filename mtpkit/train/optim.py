@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from ..models.mtp import is_mtp_param
+
 
 def param_groups(model: nn.Module, lr: float, lr_mtp: float | None, weight_decay: float) -> list[dict]:
     """Trainable parameters in up to four groups: trunk / mtp x decay / no decay. Matrices (and the embedding)
@@ -15,7 +17,7 @@ def param_groups(model: nn.Module, lr: float, lr_mtp: float | None, weight_decay
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        part = "mtp" if _is_mtp(name) else "trunk"
+        part = "mtp" if is_mtp_param(name) else "trunk"
         groups.setdefault((part, p.dim() >= 2), []).append(p)
     out = []
     for (part, decay), params in sorted(groups.items()):
@@ -28,11 +30,6 @@ def param_groups(model: nn.Module, lr: float, lr_mtp: float | None, weight_decay
     if not out:
         raise ValueError("the model has no trainable parameters")
     return out
-
-
-def _is_mtp(name: str) -> bool:
-    # wrappers (activation checkpointing, compile) may add a prefix; the module path keeps `mtp.` as a component
-    return name.startswith("mtp.") or ".mtp." in name
 
 
 def build_optimizer(model: nn.Module, cfg_optim) -> torch.optim.Optimizer:

@@ -115,3 +115,17 @@ def test_add_mtp(tmp_path, family, init):
         last = model.model.layers[-1] if family != "qwen3_5_moe" else model.model.layers[3]
         for k, v in last.state_dict().items():
             assert torch.equal(model.mtp.layers[1].state_dict()[k], v)
+
+
+def test_is_mtp_param_finds_exactly_the_mtp_parameters_under_a_wrapper_prefix():
+    from mtpkit.models.mtp import is_mtp_param
+
+    model = mtpkit.build_model({"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+                                "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+                                "intermediate_size": 48, "mtp_num_hidden_layers": 2})
+    mtp = {id(p) for p in model.mtp.parameters()}
+    for m in (model, torch.nn.Sequential(model)):  # the wrapper adds the prefix `0.` as compile adds `_orig_mod.`
+        found = {id(p) for n, p in m.named_parameters() if is_mtp_param(n)}
+        assert found == mtp and len(mtp) > 0
+    # power: the prefix rule alone misses every wrapped MTP parameter
+    assert not any(n.startswith("mtp.") for n, _ in torch.nn.Sequential(model).named_parameters())

@@ -29,8 +29,8 @@ from safetensors.torch import load_file, save_file
 
 from ..models.config import ConfigError, config_from_hf, text_config_dict
 from ..models.mtp import is_mtp_param
-from ..models.transformer import CausalLM
-from .hf import CheckpointError, CheckpointInfo, _SafetensorsDir, checkpoint_state_dict
+from ..models.transformer import CausalLM, CheckpointInfo
+from .hf import CheckpointError, _SafetensorsDir, checkpoint_state_dict
 from .safe_write import write_dir
 
 HEAD_FILE = "mtp.safetensors"

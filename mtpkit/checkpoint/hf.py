@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,22 +21,9 @@ from ..errors import CheckpointError
 from ..models.config import ConfigError, config_from_hf, text_config_dict
 from ..models.init import init_weights
 from ..models.mtp import is_mtp_param
-from ..models.transformer import CausalLM
+from ..models.transformer import CausalLM, CheckpointInfo
 from ..models.vlm import VisionLanguageModel
 from .safe_write import write_dir
-
-
-@dataclass
-class CheckpointInfo:
-    """Where a model came from and what must be written back with it."""
-
-    raw_config: dict
-    vlm_layout: bool = False
-    passthrough: dict[str, torch.Tensor] = field(default_factory=dict)  # e.g. model.visual.*, saved verbatim
-    source: str | None = None
-    transposed_experts: bool = False  # fused experts saved as [E, H, 2I] / [E, I, H] (Qwen3-VL-MoE releases)
-    # internal names of expert blocks stored one tensor per expert (HF save_pretrained, quantized repacks)
-    per_expert: set[str] = field(default_factory=set)
 
 
 _VLM_PREFIX = "model.language_model."
@@ -374,7 +360,7 @@ def load_model(
 
 def checkpoint_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     """The tensors to save, under the checkpoint names of the model's original layout."""
-    info: CheckpointInfo = getattr(model, "checkpoint_info", None) or CheckpointInfo(raw_config={})
+    info = model.checkpoint_info or CheckpointInfo(raw_config={})
     out = {}
     for name, t in model.state_dict().items():
         fused = _FUSED_EXPERT.search(name)
@@ -406,7 +392,7 @@ def _split_experts(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def hf_config_dict(model: CausalLM, dtype: torch.dtype | None = None) -> dict:
     """The model's config.json, with the MTP depth where vLLM and SGLang read it."""
-    info: CheckpointInfo | None = getattr(model, "checkpoint_info", None)
+    info = model.checkpoint_info
     if info is None or not info.raw_config:
         raise CheckpointError("this model has no source config.json: build it with mtpkit.build_model or load_model")
     raw = json.loads(json.dumps(info.raw_config))

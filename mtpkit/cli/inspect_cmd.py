@@ -38,7 +38,7 @@ def _runs(seq):
 def summary(model) -> dict:
     cfg = model.config
     count = lambda keep: sum(p.numel() for n, p in model.named_parameters() if keep(n))  # noqa: E731
-    info = getattr(model, "checkpoint_info", None)
+    info = model.checkpoint_info
     vision = sum(t.numel() for t in info.passthrough.values()) if info else 0
     dtypes = Counter(str(p.dtype).removeprefix("torch.") for p in model.parameters())
     return {

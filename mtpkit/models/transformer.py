@@ -6,7 +6,7 @@ Parameter names are the HF checkpoint names of the text layout (`model.embed_tok
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,19 @@ class Inputs:
     rope_deltas: torch.Tensor | None = None  # [B, 1]: decoding continues at position slot + delta (None: 0)
 
 
+@dataclass
+class CheckpointInfo:
+    """Where a model came from and what must be written back with it (set by mtpkit.checkpoint's loaders)."""
+
+    raw_config: dict
+    vlm_layout: bool = False
+    passthrough: dict[str, torch.Tensor] = field(default_factory=dict)  # e.g. model.visual.*, saved verbatim
+    source: str | None = None
+    transposed_experts: bool = False  # fused experts saved as [E, H, 2I] / [E, I, H] (Qwen3-VL-MoE releases)
+    # internal names of expert blocks stored one tensor per expert (HF save_pretrained, quantized repacks)
+    per_expert: set[str] = field(default_factory=set)
+
+
 def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
     """Positions restarting at 0 at every document start of packed rows [B, T]."""
     T = segment_ids.shape[1]
@@ -65,6 +78,8 @@ class TextModel(nn.Module):
 
 
 class CausalLM(nn.Module):
+    checkpoint_info: CheckpointInfo | None = None  # set by build_model / load_model; None when built directly
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config

@@ -48,11 +48,7 @@ def draft(heads: ParallelHeads, model, hidden: torch.Tensor, positions: torch.Te
     their positions, and stale slots past them (rejected drafts) are masked and later overwritten.
     Returns (logits [B, n-1, V], tokens [B, n-1]).
     """
-    if caches is None:
-        ctx = model.context(positions, dtype=hidden.dtype)
-    else:
-        cache_positions = positions if positions.dim() == 2 else positions[0]
-        ctx = model.context(positions, cache=caches[0], cache_positions=cache_positions, dtype=hidden.dtype)
+    ctx = model.context(positions, cache=None if caches is None else caches[0], dtype=hidden.dtype)
     outs = [
         heads(model, hidden, ctx, j, None if caches is None else caches[j - 1])[:, -1] for j in range(1, heads.n)
     ]

@@ -112,6 +112,8 @@ class CausalLM(nn.Module):
                 kv_len: int | None = None) -> Context:
         mask = None
         if cache is not None:
+            if cache_positions is None:  # the KV slots: the positions, or MRoPE's temporal row
+                cache_positions = positions if positions.dim() == 2 else positions[0]
             # a query sees every slot up to its own; later slots may hold stale (rejected) drafts.
             # kv_len (slots to attend over) from a caller that tracks positions spares a host sync
             length = int(cache_positions.max()) + 1 if kv_len is None else kv_len
@@ -151,11 +153,8 @@ class CausalLM(nn.Module):
             if cache is not None:
                 raise ValueError("decoding with a cache needs explicit positions")
             positions = default_positions(x, segment_ids)
-        if cache is not None:
-            if segment_ids is not None:
-                raise ValueError("packed segment_ids cannot be combined with a decoding cache")
-            if cache_positions is None:
-                cache_positions = positions if positions.dim() == 2 else positions[0]
+        if cache is not None and segment_ids is not None:
+            raise ValueError("packed segment_ids cannot be combined with a decoding cache")
         ctx = self.context(positions, segment_ids, cache, cache_positions, x.dtype, kv_len)
         h = x
         for i, layer in enumerate(self.model.layers):
@@ -202,8 +201,6 @@ class CausalLM(nn.Module):
         """One cached drafting step: token_ids [B, T] are the tokens after the rows of hidden [B, T, H] (or their
         `embeds` [B, T, H], e.g. vision embeddings after an image prompt's rows). Returns the MTP's post-norm
         output (fed back as `hidden` for the next chained depth)."""
-        if cache_positions is None:
-            cache_positions = positions if positions.dim() == 2 else positions[0]
         if embeds is None:
             embeds = self.embed(token_ids)
         ctx = self.context(positions, None, cache, cache_positions, embeds.dtype, kv_len)

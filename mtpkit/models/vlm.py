@@ -141,38 +141,30 @@ class VisionLanguageModel(CausalLM):
         mm_token_type_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
-        segment_ids: torch.Tensor | None = None,
         cache=None,
         cache_positions: torch.Tensor | None = None,
-        mtp: bool | int = False,
-        return_logits: bool = True,
-        deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
-        kv_len: int | None = None,
-        detach_trunk: bool = False,
+        **kwargs,
     ) -> ModelOutput:
-        """As `CausalLM.forward`, plus patches from the HF processor: pixel_values [N, C*T*p*p] with
-        image_grid_thw [n, 3] (and the same for videos). Without `positions`, the 3-D MRoPE positions are
-        computed from input_ids (per packed document when `segment_ids` is given). With a cache and 3-D
-        positions, `cache_positions` (the KV slots) must be given: image positions are not slot indices.
-        `deepstack` is taken only with inputs_embeds (from `prepare_inputs`); with input_ids it is computed.
-        With a cache, input_ids are decode or verify tokens after a prompt whose images the cache already holds:
-        a placeholder id among them without pixel values is embedded as a word (the prompt check is skipped)."""
+        """As `CausalLM.forward` (`kwargs` are its other keyword arguments), plus patches from the HF processor:
+        pixel_values [N, C*T*p*p] with image_grid_thw [n, 3] (and the same for videos). Without `positions`, the
+        3-D MRoPE positions are computed from input_ids (per packed document when `segment_ids` is given). With a
+        cache and 3-D positions, `cache_positions` (the KV slots) must be given: image positions are not slot
+        indices. `deepstack` is taken only with inputs_embeds (from `prepare_inputs`); with input_ids it is
+        computed. With a cache, input_ids are decode or verify tokens after a prompt whose images the cache already
+        holds: a placeholder id among them without pixel values is embedded as a word (the prompt check is skipped)."""
         if input_ids is not None:
-            inputs_embeds, deepstack = self.embed_multimodal(
+            inputs_embeds, kwargs["deepstack"] = self.embed_multimodal(
                 input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, inputs_embeds,
                 prompt=cache is None,
             )
             if positions is None and cache is None:
                 positions, _ = self.rope_index(
                     input_ids, image_grid_thw, video_grid_thw, mm_token_type_ids=mm_token_type_ids,
-                    segment_ids=segment_ids,
+                    segment_ids=kwargs.get("segment_ids"),
                 )
         elif pixel_values is not None or pixel_values_videos is not None:
             raise ValueError("pixel values need input_ids: the placeholder tokens say where the images go")
         if cache is not None and positions is not None and positions.dim() == 3 and cache_positions is None:
             raise ValueError("with 3-D MRoPE positions and a cache, pass cache_positions (the KV slots) too")
-        return super().forward(
-            inputs_embeds=inputs_embeds, positions=positions, segment_ids=segment_ids, cache=cache,
-            cache_positions=cache_positions, mtp=mtp, return_logits=return_logits, deepstack=deepstack, kv_len=kv_len,
-            detach_trunk=detach_trunk,
-        )
+        return super().forward(inputs_embeds=inputs_embeds, positions=positions, cache=cache,
+                               cache_positions=cache_positions, **kwargs)

@@ -2,6 +2,7 @@
 
 from .checkpoint.hf import CheckpointError, build_model, load_model, save_model
 from .decode.generate import generate
+from .decode.int8 import quantize_int8
 from .models.config import ModelConfig, config_from_hf
 from .models.mtp import add_mtp
 from .models.multimodal import image_inputs, load_processor
@@ -21,6 +22,7 @@ __all__ = [
     "image_inputs",
     "load_model",
     "load_processor",
+    "quantize_int8",
     "save_model",
 ]
 __version__ = "0.1.0"

@@ -35,7 +35,10 @@ def add_parser(sub) -> None:
                         "text cut at the same points, left-padded with earlier text of the same document")
     p.add_argument("--context-docs", help="documents for --context-lengths: a .txt file (one document) or .jsonl "
                                           "({text} records); default: the Python reference topics shipped with Python")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", choices=["float32", "bfloat16"],
+                   help="weights and activations (default: float32, or bfloat16 with --quantize int8)")
+    p.add_argument("--quantize", choices=["int8"], help="int8 weights, one scale per output channel, bfloat16 "
+                                                        "activations (the baselines stay unquantised)")
     p.add_argument("--out", help="also write the report to this file")
     p.add_argument("--json", help="write the figures as JSON")
     p.add_argument("--plot", help="draw acceptance per position and speedup per k to this PNG")
@@ -58,6 +61,7 @@ def run(args) -> int:
                                   run_bench, shipped_head)
     from ..checkpoint.hf import load_model
     from ..checkpoint.mtp_head import load_mtp_head
+    from ..decode.int8 import model_dtype, quantize_int8
     from ..models.multimodal import load_processor
     from ..tokenizer import load_tokenizer
 
@@ -79,7 +83,7 @@ def run(args) -> int:
         raise ValueError("--repeats and --num-tokens must be >= 1, --limit and --step-repeats >= 0")
     if args.prompt_lookup_tokens < 1:
         raise ValueError(f"--prompt-lookup-tokens must be >= 1, not {args.prompt_lookup_tokens}")
-    dtype = getattr(torch, args.dtype)
+    dtype = model_dtype(args.dtype, args.quantize)
     path = Path(args.model) if args.model else default_gguf_path()
     prompts = [] if lengths else read_prompts(args.prompts or resource(DEFAULT_PROMPTS))[: args.limit or None]
     vision = any(p.images for p in prompts)  # image prompts: the vision tower and the processor are loaded too
@@ -93,6 +97,8 @@ def run(args) -> int:
         raise ValueError(f"{path} has no MTP head: pass one with --mtp (train one with mtpkit train, mtp.only = true)")
     if args.full_vocab:
         model.mtp.draft_vocab = None
+    if args.quantize:
+        quantize_int8(model)
     tokenizer = load_tokenizer(path)
     hf = load_hf_baseline(path, dtype) if baselines else None
     bench = dict(num_tokens=args.num_tokens, ks=ks, min_probs=min_probs, temperature=args.temperature,
@@ -108,7 +114,9 @@ def run(args) -> int:
     else:
         prompts = encode_prompts(prompts, tokenizer, model, load_processor(path) if vision else None)
         report = run_bench(model.eval(), prompts, **bench)
-    report.update(model=path.name, device=str(model.output_weight.device), dtype=args.dtype, threads=torch.get_num_threads(),
+    dtype_name = str(dtype).removeprefix("torch.") + (f", {args.quantize} weights" if args.quantize else "")
+    report.update(model=path.name, device=str(model.output_weight.device), dtype=dtype_name, quantize=args.quantize,
+                  threads=torch.get_num_threads(),
                   num_tokens=args.num_tokens, repeats=args.repeats, temperature=args.temperature,
                   mtp_head=str(head) if head else "(checkpoint's own)")
     if lengths:

@@ -28,6 +28,10 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"],
+                   help="weights and activations (default: float32, or bfloat16 with --quantize int8)")
+    p.add_argument("--quantize", choices=["int8"], help="int8 weights, one scale per output channel, bfloat16 "
+                                                        "activations (the MTP head and verification use them too)")
 
 
 class TextStream:
@@ -73,15 +77,19 @@ def run(args) -> int:
     from ..checkpoint.hf import load_model
     from ..checkpoint.mtp_head import load_mtp_head
     from ..decode.generate import generate
+    from ..decode.int8 import model_dtype, quantize_int8
     from ..models.multimodal import image_inputs, load_processor, open_images
     from ..tokenizer import encode_prompt, load_tokenizer
 
+    dtype = model_dtype(args.dtype, args.quantize)
     path = Path(args.model) if args.model else default_gguf_path()
     images = open_images(args.image)
-    model = load_model(path, vision=bool(images))
+    model = load_model(path, dtype=dtype, vision=bool(images))
     head = args.mtp or shipped_head(path)
     if head:
         load_mtp_head(model, head)
+    if args.quantize:
+        quantize_int8(model)
     tokenizer = load_tokenizer(path)
     if images:
         prompt = image_inputs(model, load_processor(path), args.prompt, images, args.chat)

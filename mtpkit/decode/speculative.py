@@ -50,19 +50,24 @@ class DraftHead:
         self.params, self.min_prob = params, float(min_prob)
         self.vocab_size = model.config.vocab_size
         weight = model.output_weight
+        # a quantised model drafts with its int8 projection too (half the bytes; verification decides anyway)
+        self.projection = model.output_projection
         self.vocab = None
         if vocab is not None:
             vocab = torch.as_tensor(vocab, dtype=torch.long, device=weight.device).flatten()
             if vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= self.vocab_size:
                 raise ValueError(f"draft_vocab must hold token ids in [0, {self.vocab_size}) and not be empty")
             self.vocab = vocab.unique()
-            weight = weight[self.vocab]  # [N, H]: a copy, made once per generate call
+            if self.projection is None:
+                weight = weight[self.vocab]  # [N, H]: a copy, made once per generate call
+            else:
+                self.projection = self.projection.rows(self.vocab)
         self.weight = weight
 
     def __call__(self, hidden: torch.Tensor, generator):
         """MTP output [B, H] -> draft ids [B], q [B, V] over the full vocabulary (None when greedy) and, when
         gating, whether each row's draft is confident enough to draft on after it [B] bool (else None)."""
-        logits = linear(hidden, self.weight)  # [B, V or N]
+        logits = linear(hidden, self.weight) if self.projection is None else self.projection(hidden)  # [B, V or N]
         if self.params.greedy:
             idx = logits.argmax(dim=-1)
             sure = None

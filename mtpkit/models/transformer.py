@@ -87,12 +87,16 @@ class CausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mtp = MTP(config) if config.mtp_num_hidden_layers > 0 else None
+        # decoding-time replacement of the lm_head product, set from outside (decode/int8.py's quantize_int8)
+        self.output_projection: nn.Module | None = None
 
     @property
     def output_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.output_projection is not None:
+            return self.output_projection(hidden)
         return linear(hidden, self.output_weight)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

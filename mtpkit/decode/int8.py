@@ -11,10 +11,10 @@ and a flipped top-k changes the computation discretely), fused MoE experts (not 
 The CPU product is `torch._weight_int8pack_mm(x [M, K] bf16, weight [N, K] int8, scales [N] bf16)`: it converts
 each int8 weight to fp32, scales it and accumulates in fp32, streaming 1 byte per weight. Measured (torch 2.13,
 1 thread, AVX-512 CPU, SmolLM2-135M's shapes [1536, 576], [576, 1536], [49152, 576]): 0.35-0.45x the time of
-bf16 `F.linear` for 1 row, 0.45-0.75x for 4 rows; 2.5-3x slower than it for 128 rows (prefill), since the kernel
+bf16 `F.linear` for 1 row, 0.45-0.75x for 4 rows; 2.6-3.2x slower than it for 128 rows (prefill), since the kernel
 re-reads the weight for every block of 4 rows. Constraints found in torch 2.13's CPU kernel:
 - x and scales must share a dtype; x must be 2-D and contiguous in its last dimension.
-- Only bf16 is vectorised on x86 (AVX2 / AVX-512): fp32 and fp16 run a scalar loop, 10-20x slower than fp32
+- Only bf16 is vectorised on x86 (AVX2 / AVX-512): fp32 and fp16 run a scalar loop, 10-40x slower than fp32
   `F.linear`, so a quantised model must run bf16 activations (`quantize_int8` refuses anything else).
 - The bf16 kernel loads 16 values (AVX-512; 8 with AVX2) at a time with aligned vector loads and no remainder
   loop: with K not a multiple of 16 it reads past each row (wrong results, seen), and an x that does not start on

@@ -173,7 +173,7 @@ def print_routing_table(models: dict) -> None:
             print(f"  {name[:24]:<24} {row['dtype']:<9} rows {row['rows']}  {str(row['shape']):<14} {cells}")
 
 
-def print_hf_comparison(model, path: pathlib.Path, args, dtype) -> None:
+def print_hf_comparison(model, path: pathlib.Path, args, dtype) -> float:
     import transformers
 
     from .speedup import load_hf_baseline
@@ -192,6 +192,7 @@ def print_hf_comparison(model, path: pathlib.Path, args, dtype) -> None:
               f"   (tokens/s by run: {runs})")
     print(f"{'mtpkit / transformers':<22} {med['mtpkit']['tps'] / med['transformers']['tps']:>7.2f} (tokens/s) "
           f"{med['transformers']['cpu'] / med['mtpkit']['cpu']:>7.2f} (CPU time)   identical tokens: {same}")
+    return med["mtpkit"]["tps"]
 
 
 def main(argv=None) -> None:
@@ -218,6 +219,7 @@ def main(argv=None) -> None:
     ks = [int(k) for k in args.k.split(",")]
     bw = bandwidth_gbs()
     print(f"memory bandwidth: copy {bw['copy']:.1f} GB/s (read + write), read {bw['read']:.1f} GB/s\n")
+    plain_tps = {}
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name.strip())
         smol = add_mtp(load_model(path, mtp=False), 1).to(dtype)
@@ -229,8 +231,12 @@ def main(argv=None) -> None:
         print_routing_table(models)
         models.clear()  # frees the Qwen-shaped model before transformers loads its copy of SmolLM2
         if not args.skip_hf:
-            print_hf_comparison(smol, path, args, dtype)
+            plain_tps[name] = print_hf_comparison(smol, path, args, dtype)
         print()
+    if len(plain_tps) > 1:
+        base = next(iter(plain_tps))
+        print("mtpkit plain decoding, SmolLM2-135M: " + ", ".join(
+            f"{n} {t:.1f} tokens/s ({t / plain_tps[base]:.2f}x {base})" for n, t in plain_tps.items()))
 
 
 if __name__ == "__main__":

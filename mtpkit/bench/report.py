@@ -47,7 +47,28 @@ def _table(runs: list[dict], mark: dict) -> list[str]:
         lines.append(f"  {r['draft_tokens']:>3}" + (f" {r.get('draft_min_prob') or 0:>5g}" if gated else "")
                      + f" {r['baseline_tokens_per_s']:>9.1f} {r['spec_tokens_per_s']:>9.1f} {r['speedup']:>7.2f}× "
                      f"{r['acceptance_rate']:>6.0%} {r['mean_acceptance_length']:>9.2f} {be:>11}"
-                     + (f" {r['drafted_per_step']:>12.2f}" if gated else "") + f"  {pos:<24} {mark[r['identical']]}")
+                     + (f" {r['drafted_per_step']:>12.2f}" if gated else "") + f"  {pos:<24} "
+                     + (f"✗ {r['identical_prompts']}/{r['prompts']} identical" if r["identical"] is False
+                        else mark[r["identical"]]))
+    return lines
+
+
+def _difference_lines(report: dict) -> list[str]:
+    """Where a greedy output differs from plain decoding: the first differing token and the plain model's top-2
+    logit gap there, so a reader can tell a rounding tie from a bug."""
+    rows = [(label(r), pp["prompt"], pp["first_difference"]) for r in report["runs"] for pp in r["per_prompt"]
+            if pp.get("first_difference")]
+    for name in BASELINES:
+        for s, d in zip(report["samples"], report.get(f"{name}_first_differences") or []):
+            if d:
+                rows.append((name, s["prompt"], d))
+    if not rows:
+        return []
+    lines = ["", "  Outputs that differ from plain decoding: first differing token, plain model's top-2 logit gap there",
+             f"  {'row':<11} {'prompt':<40} {'token':>6} {'top-2 gap':>10} {'top-1':>8}  other = plain's 2nd?"]
+    for row, prompt, d in rows:
+        lines.append(f"  {row:<11} {_short(prompt, 40):<40} {d['position']:>6} {d['top2_gap']:>10.4f} "
+                     f"{d['top1']:>8.3f}  {'yes' if d['other_is_top2'] else 'no'}")
     return lines
 
 
@@ -74,6 +95,7 @@ def render(report: dict, decode, samples: int = 4) -> str:
     lines += _baseline_lines(report, best)
     lines += ["", "  Per draft length (break-even: the mean acceptance length at which speculation pays, from timed "
               "step costs)", *_table(runs, mark)]
+    lines += _difference_lines(report)
     lines += ["", f"  Sample generations ({label(best)}; plain and speculative produce the same text)",
               "  " + "-" * 74]
     for i, (s, pp) in enumerate(zip(report["samples"][:samples], best["per_prompt"][:samples]), 1):

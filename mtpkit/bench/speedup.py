@@ -206,17 +206,40 @@ def run_bench(model, prompts: list[Prompt], *, num_tokens: int, ks: list[int], m
     if step_repeats:
         context = int(statistics.median(len(p.ids) for p in prompts)) + num_tokens // 2
         costs = measure_step_costs(model, max(ks), context, step_repeats)
-    report = summarise(prompts, specs, outputs, median, baselines=extra, greedy=temperature == 0, costs=costs)
+    greedy = temperature == 0
+    gaps = first_differences(model, prompts, outputs, [*specs, *extra]) if greedy else {}
+    report = summarise(prompts, specs, outputs, median, baselines=extra, greedy=greedy, costs=costs, gaps=gaps)
     if "pld" in extra:
         report["prompt_lookup_num_tokens"] = prompt_lookup
     return report
+
+
+@torch.inference_mode()
+def first_differences(model, prompts: list[Prompt], outputs: dict, configs: list) -> dict:
+    """For each (config, prompt) whose greedy output differs from plain decoding's: the first differing position
+    and the plain model's top-2 logit gap there (one full forward over prompt + the common prefix, in the model's
+    dtype). A gap at the logits' rounding step shows a tie broken by rounding (bf16 logits near 20 resolve steps
+    of 0.125), not a bug."""
+    gaps = {}
+    for cfg in configs:
+        for i, p in enumerate(prompts):
+            plain, other = outputs[0, i][0], outputs[cfg, i][0]
+            if other == plain or p.inputs is not None:
+                continue
+            j = next((t for t, (a, b) in enumerate(zip(plain, other)) if a != b), min(len(plain), len(other)))
+            logits = model(torch.tensor([p.ids + plain[:j]])).logits[0, -1].float()
+            top = logits.topk(2)
+            gaps[cfg, i] = {"position": j, "top2_gap": float(top.values[0] - top.values[1]),
+                            "top1": float(top.values[0]), "other_is_top2": j < len(other)
+                            and int(top.indices[1]) == other[j]}
+    return gaps
 
 
 def _rate(tokens: int, sec: float) -> float:
     return tokens / sec if sec > 0 else 0.0
 
 
-def summarise(prompts, specs, outputs, median, *, baselines=(), greedy: bool, costs=None) -> dict:
+def summarise(prompts, specs, outputs, median, *, baselines=(), greedy: bool, costs=None, gaps=None) -> dict:
     n = len(prompts)
     base_tokens = [len(outputs[0, i][0]) for i in range(n)]
     base_tps = _rate(sum(base_tokens), sum(median[0, i] for i in range(n)))
@@ -242,6 +265,7 @@ def summarise(prompts, specs, outputs, median, *, baselines=(), greedy: bool, co
                 "acceptance_rate": s["acceptance_rate"],
                 "mean_acceptance_length": s["mean_acceptance_length"],
                 "identical": outputs[cfg, i][0] == outputs[0, i][0] if greedy else None,
+                "first_difference": (gaps or {}).get((cfg, i)),
             })
         runs.append({
             "draft_tokens": k,
@@ -257,6 +281,7 @@ def summarise(prompts, specs, outputs, median, *, baselines=(), greedy: bool, co
             "draft_lengths": lengths,  # share of steps that proposed j = 1..k drafts (the stop distribution)
             "break_even": break_even(costs, lengths) if costs and steps else None,
             "identical": all(pp["identical"] for pp in per_prompt) if greedy else None,
+            "identical_prompts": sum(bool(pp["identical"]) for pp in per_prompt),
             "per_prompt": per_prompt,
         })
     samples = [{"prompt": p.text, "output_ids": outputs[0, i][0]} for i, p in enumerate(prompts)]
@@ -269,4 +294,5 @@ def summarise(prompts, specs, outputs, median, *, baselines=(), greedy: bool, co
                                                sum(median[name, i] for i in range(n)))
         report[f"{name}_identical"] = all(same) if greedy else None
         report[f"{name}_identical_prompts"] = sum(same)
+        report[f"{name}_first_differences"] = [(gaps or {}).get((name, i)) for i in range(n)]
     return report

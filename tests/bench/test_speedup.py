@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+import torch
 from tiny_models import hf_model, random_mtp_tensors, save_hf
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -197,3 +198,18 @@ def test_bench_cli_bad_options(llama_dir, args, message, capsys):
     assert main(["bench", "--model", str(llama_dir), *args]) != 0
     err = capsys.readouterr().err.strip()
     assert re.search(message, err) and len(err.splitlines()) == 1
+
+
+def test_a_differing_output_is_reported_with_the_plain_models_top2_gap(model):
+    p = Prompt("a", False, "prose", [3, 4, 5, 6])
+    plain = mtpkit.generate(model, [p.ids], max_new_tokens=6).tokens[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([p.ids + plain[:2]])).logits[0, -1]
+    second = int(logits.topk(2).indices[1])
+    other = plain[:2] + [second] + plain[3:]  # a run that took the plain model's second choice at token 2
+    outputs = {(0, 0): (plain, None), ((1, 0.0), 0): (other, None), ((2, 0.0), 0): (plain, None)}
+    gaps = speedup.first_differences(model, [p], outputs, [(1, 0.0), (2, 0.0)])
+    top = logits.topk(2).values
+    assert list(gaps) == [((1, 0.0), 0)]
+    d = gaps[(1, 0.0), 0]
+    assert d["position"] == 2 and d["other_is_top2"] and d["top2_gap"] == pytest.approx(float(top[0] - top[1]))

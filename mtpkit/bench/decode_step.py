@@ -3,6 +3,8 @@ against transformers' `generate()`.
 
     python -m mtpkit.bench.decode_step [--model PATH] [--dtypes float32,bfloat16] [--k 1,2,3] [--threads T]
 
+Dtypes: float32, bfloat16 and int8 (weight-only int8 with bf16 activations, decode/int8.py).
+
 Table 0: this machine's memory bandwidth, measured in the same run: a 256 MB copy (read + write) and a 512 MB
 sum (read only). Decoding reads every weight once per step, so bytes of weights / read bandwidth bounds a step.
 
@@ -69,9 +71,14 @@ def bandwidth_gbs() -> dict:
 
 
 def weight_bytes(model) -> int:
-    """Bytes a decode step reads: every weight the step multiplies by (the embedding row aside)."""
-    router = router_for(model)
-    return sum(w.nbytes for w in {w.data_ptr(): w for w in router.weights()}.values())
+    """Bytes a decode step reads: every weight the step multiplies by (the embedding row aside), int8 weights and
+    their scales for a quantised model."""
+    from ..decode.int8 import Int8Linear
+
+    int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    if int8:
+        return sum(t.nbytes for m in int8 for t in m.buffers())
+    return sum(w.nbytes for w in {w.data_ptr(): w for w in router_for(model).weights()}.values())
 
 
 @torch.inference_mode()
@@ -173,7 +180,7 @@ def print_routing_table(models: dict) -> None:
             print(f"  {name[:24]:<24} {row['dtype']:<9} rows {row['rows']}  {str(row['shape']):<14} {cells}")
 
 
-def print_hf_comparison(model, path: pathlib.Path, args, dtype) -> float:
+def print_hf_comparison(model, path: pathlib.Path, args, dtype, label: str) -> float:
     import transformers
 
     from .speedup import load_hf_baseline
@@ -184,7 +191,8 @@ def print_hf_comparison(model, path: pathlib.Path, args, dtype) -> float:
     ours, theirs, same = tokens_per_second(model, hf, prompt, args.new_tokens, args.runs)
     med = {name: {key: statistics.median(v) for key, v in r.items() if key != "tokens"}
            for name, r in (("mtpkit", ours), ("transformers", theirs))}
-    print(f"\nplain greedy decoding, SmolLM2-135M {str(dtype).removeprefix('torch.')}, {len(prompt)}-token prompt, "
+    print(f"\nplain greedy decoding, SmolLM2-135M {label} (transformers in {str(dtype).removeprefix('torch.')}), "
+          f"{len(prompt)}-token prompt, "
           f"{args.new_tokens} new tokens, median of {args.runs} interleaved runs (prefill included)")
     for name, r in (("mtpkit", ours), ("transformers", theirs)):
         runs = ", ".join(f"{x:.2f}" for x in r["tps"])
@@ -198,7 +206,8 @@ def print_hf_comparison(model, path: pathlib.Path, args, dtype) -> float:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m mtpkit.bench.decode_step", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="SmolLM2-style .gguf (default: the bundled SmolLM2-135M-Instruct)")
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes to measure")
+    ap.add_argument("--dtypes", default="float32,bfloat16,int8",
+                    help="comma-separated: float32, bfloat16, int8 (int8 weights with bf16 activations)")
     ap.add_argument("--k", default="1,2,3", help="draft lengths to time (comma-separated)")
     ap.add_argument("--repeats", type=int, default=10, help="timed repeats per step (median reported)")
     ap.add_argument("--context", type=int, default=128, help="tokens in the cache before the timed steps")
@@ -213,6 +222,7 @@ def main(argv=None) -> None:
 
     from ..assets import default_gguf_path
     from ..checkpoint.hf import build_model, load_model
+    from ..decode.int8 import quantize_int8
     from ..models.mtp import add_mtp
 
     path = pathlib.Path(args.model or default_gguf_path())
@@ -221,17 +231,19 @@ def main(argv=None) -> None:
     print(f"memory bandwidth: copy {bw['copy']:.1f} GB/s (read + write), read {bw['read']:.1f} GB/s\n")
     plain_tps = {}
     for name in args.dtypes.split(","):
-        dtype = getattr(torch, name.strip())
-        smol = add_mtp(load_model(path, mtp=False), 1).to(dtype)
+        name = name.strip()  # "int8": int8 weights, bf16 activations
+        dtype = torch.bfloat16 if name == "int8" else getattr(torch, name)
+        quantize = quantize_int8 if name == "int8" else (lambda m: m)
+        smol = quantize(add_mtp(load_model(path, mtp=False), 1).to(dtype))
         models = {f"SmolLM2-135M (+ random MTP) {name}": smol}
         if not args.skip_qwen:
             torch.manual_seed(0)
-            models[f"Qwen3.5-0.8B shape, 8 layers {name}"] = build_model(QWEN35_08B_8L).to(dtype)
+            models[f"Qwen3.5-0.8B shape, 8 layers {name}"] = quantize(build_model(QWEN35_08B_8L).to(dtype))
         print_step_table(models, args, ks, bw)
         print_routing_table(models)
         models.clear()  # frees the Qwen-shaped model before transformers loads its copy of SmolLM2
         if not args.skip_hf:
-            plain_tps[name] = print_hf_comparison(smol, path, args, dtype)
+            plain_tps[name] = print_hf_comparison(smol, path, args, dtype, name)
         print()
     if len(plain_tps) > 1:
         base = next(iter(plain_tps))

@@ -32,12 +32,14 @@ import time
 
 import torch
 
+from ..decode import blockwise
 from ..decode import speculative as spec
 from ..decode.cache import Cache
 from ..decode.generate import generate
 from ..decode.matmul_routing import MatmulRouter, candidates, router_for
 from ..decode.sampling import SamplingParams
 from ..kernels.linear import routed_linears
+from ..models.parallel_heads import head_outputs
 
 # Qwen3.5-0.8B's text config (its config.json on the HF hub), 8 of its 24 layers
 QWEN35_08B_8L = dict(
@@ -117,7 +119,10 @@ def step_costs(model, ks, repeats: int, context: int, draft_vocab: int, compare_
 
             def drafting(head, hidden=verify()):
                 # what a step adds besides verification: the MTP over the k+1 verified rows, then k-1 chained
-                # steps and k draft projections
+                # steps and k draft projections (parallel heads: k head layers over those rows, k projections)
+                if model.mtp_heads is not None:
+                    m = head_outputs(model, hidden, pos[:, sl], k, cache.mtp, pos[:, sl], context + k + 1)
+                    return blockwise.draft(m[:, 0], head, None)
                 m = spec.mtp_extend(model, cache, hidden, ids[:, sl.start + 1 : sl.stop + 1], start, delta,
                                     context)[:, 0]
                 spec.draft(model, cache, m, start + 1, delta, context + 1, k, head, None)

@@ -152,7 +152,7 @@ def measure_step_costs(model, k: int, context: int, repeats: int) -> dict[int, d
     (`decode_step.step_costs`, the micro-benchmark of docs/MTP.md section 4)."""
     from .decode_step import step_costs
 
-    subset = getattr(model.mtp, "draft_vocab", None)
+    subset = getattr(model.drafter, "draft_vocab", None)
     vocab = len(subset) if subset is not None else min(4096, model.config.vocab_size)
     rows = step_costs(model, list(range(1, k + 1)), repeats, context, vocab)
     drafting = "full" if subset is None else "subset"

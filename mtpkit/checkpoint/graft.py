@@ -71,6 +71,7 @@ def read_head(path) -> Head:
         if not tensors or not all(is_mtp_param(n) for n in tensors):
             raise CheckpointError(f"{path} is not an MTP head file (only mtp.* tensors, as `mtpkit export --mtp-only` "
                                   "writes): pass it or the HF directory of the model the head comes from")
+        _sequential_only(path, tensors)
         fc = tensors.get("mtp.fc.weight")
         return Head(tensors, {"mtp_num_hidden_layers": _depth(tensors)}, None, None if fc is None else fc.shape[0])
     raw = _config(path)
@@ -80,10 +81,17 @@ def read_head(path) -> Head:
     if not names:
         raise CheckpointError(f"{path} has no mtp.* tensors: there is no head to graft (a checkpoint saved through "
                               "transformers lost it; take the head from the released model)")
+    _sequential_only(path, names)
     keys = {k: v for k, v in text.items() if k.startswith("mtp_") or k == "num_nextn_predict_layers"}
     if "mtp_num_hidden_layers" not in keys and "num_nextn_predict_layers" not in keys:
         keys["mtp_num_hidden_layers"] = _depth(names)
     return Head({n: source.get(n) for n in names}, keys, text.get("model_type"), text.get("hidden_size"))
+
+
+def _sequential_only(path: Path, names) -> None:
+    if any(n.startswith("mtp_heads.") for n in names):
+        raise CheckpointError(f"{path} holds parallel heads (mtp_heads.*), mtpkit's own layout that vLLM and SGLang do "
+                              "not serve: graft moves sequential MTP heads (mtp.*) only; load it with mtpkit instead")
 
 
 def _depth(names) -> int:

@@ -203,14 +203,14 @@ def _internal_name(name: str, vlm: bool) -> str:
     return name
 
 
-_LAYER_INDEX = re.compile(r"^(model\.layers|mtp\.layers|visual\.blocks)\.(\d+)\.")
+_LAYER_INDEX = re.compile(r"^(model\.layers|mtp\.layers|mtp_heads\.layers|visual\.blocks)\.(\d+)\.")
 
 
 def _check_layer_counts(path: Path, names: list[str], raw: dict, config, vlm: bool, vision: bool) -> None:
     """config.json's layer counts against the layers the tensor names hold, before any model is built: a config
     claiming millions of layers fails here at once instead of after building them (on the meta device, ~3 ms
     each)."""
-    found: dict[str, set[int]] = {"model.layers": set(), "mtp.layers": set(), "visual.blocks": set()}
+    found: dict[str, set[int]] = {p: set() for p in ("model.layers", "mtp.layers", "mtp_heads.layers", "visual.blocks")}
     for name in names:
         m = _LAYER_INDEX.match(_PASSTHROUGH.sub("visual.", _internal_name(name, vlm)))
         if m:
@@ -218,6 +218,8 @@ def _check_layer_counts(path: Path, names: list[str], raw: dict, config, vlm: bo
     want = {"model.layers": ("num_hidden_layers", config.num_hidden_layers)}
     if config.mtp_num_hidden_layers:
         want["mtp.layers"] = ("mtp_num_hidden_layers", config.mtp_num_hidden_layers)
+    if config.mtp_parallel_heads:
+        want["mtp_heads.layers"] = ("mtp_parallel_heads", config.mtp_parallel_heads)
     if vision and isinstance(raw.get("vision_config"), dict):
         depth = raw["vision_config"].get("depth")
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
@@ -255,7 +257,7 @@ def load_model(
     names = list(source.names())
     has_mtp = any(is_mtp_param(n) for n in names)
     if not mtp:
-        config = config.replace(mtp_num_hidden_layers=0)
+        config = config.replace(mtp_num_hidden_layers=0, mtp_parallel_heads=0)
     elif config.mtp_num_hidden_layers > 0 and not has_mtp:
         raise CheckpointError(
             f"{path}: config.json sets mtp_num_hidden_layers={config.mtp_num_hidden_layers} but the checkpoint has "
@@ -391,7 +393,7 @@ def _split_experts(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def hf_config_dict(model: CausalLM, dtype: torch.dtype | None = None) -> dict:
-    """The model's config.json, with the MTP depth where vLLM and SGLang read it."""
+    """The model's config.json, with the MTP depth where vLLM and SGLang read it (and mtpkit's parallel heads)."""
     info = model.checkpoint_info
     if info is None or not info.raw_config:
         raise CheckpointError("this model has no source config.json: build it with mtpkit.build_model or load_model")
@@ -399,6 +401,12 @@ def hf_config_dict(model: CausalLM, dtype: torch.dtype | None = None) -> dict:
     text = raw["text_config"] if info.vlm_layout else raw
     depth = model.config.mtp_num_hidden_layers
     text["mtp_num_hidden_layers"] = depth
+    for key in ("mtp_parallel_heads", "mtp_parallel_intermediate_size"):  # mtpkit's own keys, only when used
+        value = getattr(model.config, key) if model.config.mtp_parallel_heads else 0
+        if value:
+            text[key] = value
+        else:
+            text.pop(key, None)
     if text.get("model_type", raw.get("model_type")) == "qwen3_next":
         text["num_nextn_predict_layers"] = depth
     if dtype is not None:

@@ -93,10 +93,10 @@ def run(args) -> int:
     head = args.mtp or shipped_head(path)
     if head:
         load_mtp_head(model, head)
-    if model.mtp is None:
+    if model.drafter is None:
         raise ValueError(f"{path} has no MTP head: pass one with --mtp (train one with mtpkit train, mtp.only = true)")
     if args.full_vocab:
-        model.mtp.draft_vocab = None
+        model.drafter.draft_vocab = None
     if args.quantize:
         quantize_int8(model)
     tokenizer = load_tokenizer(path)

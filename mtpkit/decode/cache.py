@@ -65,7 +65,7 @@ class GDNState:
 
 
 class Cache:
-    """Per-layer state for the trunk (`layers`) and the MTP module (`mtp`)."""
+    """Per-layer state for the trunk (`layers`) and the MTP module's layers or the parallel heads (`mtp`)."""
 
     def __init__(self, config: ModelConfig, batch: int, max_len: int, dtype=torch.float32, device="cpu"):
         self.max_len = max_len
@@ -73,7 +73,7 @@ class Cache:
         self.layers = [
             GDNState(batch, config, dtype, device) if t == "linear_attention" else kv() for t in config.layer_types
         ]
-        self.mtp = [kv() for _ in range(config.mtp_num_hidden_layers)]
+        self.mtp = [kv() for _ in range(config.mtp_num_hidden_layers or config.mtp_parallel_heads)]
 
     def gdn_states(self) -> list[GDNState]:
         return [s for s in self.layers if isinstance(s, GDNState)]

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.parallel_heads import head_outputs
 from ..models.vlm import VISION_INPUTS
+from . import blockwise
 from . import speculative as spec
 from .cache import Cache
 from ..kernels.linear import routed_linears
@@ -124,10 +126,11 @@ class _Bookkeeper:
         }
 
 
-def _prefill(model, cache, rows, vision, params, generator, with_mtp: bool):
+def _prefill(model, cache, rows, vision, params, generator, k: int):
     """Prefill runs of equal-length text rows in one forward each, and each image prompt on its own. Returns the
     first sampled token [B], the rope deltas [B] (decoding continues at position slot + delta; 0 for text) and,
-    with_mtp, the MTP's output at each row's last prompt position [B, H] (its cache filled over the prompt)."""
+    when drafting k > 0 tokens, the drafting state at each row's last prompt position (its cache filled over the
+    prompt): the MTP's output [B, H], or parallel heads 1..k's [B, k, H]."""
     device = model.output_weight.device
     firsts, deltas, ms, start = [], [], [], 0
     runs = itertools.groupby(range(len(rows)), key=lambda i: (len(rows[i]), i if vision[i] else -1))
@@ -145,11 +148,13 @@ def _prefill(model, cache, rows, vision, params, generator, with_mtp: bool):
         firsts.append(first)
         delta = inputs.rope_deltas
         deltas.append(torch.zeros_like(first) if delta is None else delta[:, 0])
-        if with_mtp:  # row i: trunk hidden at i and the input after it (a vision embedding at an image token)
+        if k and model.mtp_heads is not None:
+            ms.append(head_outputs(model, hidden, inputs.positions, k, view.mtp, slots, kv_len=length)[:, -1])
+        elif k:  # row i: trunk hidden at i and the input after it (a vision embedding at an image token)
             nxt = torch.cat([inputs.embeds[:, 1:], model.embed(first)[:, None]], dim=1)
             m = model.mtp_step(None, hidden, inputs.positions, 1, view, slots, kv_len=length, embeds=nxt)
             ms.append(m[:, -1])
-    return torch.cat(firsts), torch.cat(deltas), (torch.cat(ms) if with_mtp else None)
+    return torch.cat(firsts), torch.cat(deltas), (torch.cat(ms) if k else None)
 
 
 @torch.inference_mode()
@@ -170,10 +175,11 @@ def generate(
 ) -> GenerateResult:
     """Decode up to max_new_tokens new tokens per prompt (rows of token ids, or for a vision-language model
     dicts from `mtpkit.image_inputs` with the image patches); draft_tokens=k > 0 drafts k tokens per step with the
-    model's MTP module and verifies them in one trunk forward (lossless: greedy output is token for token the
-    same, sampled output has exactly the same distribution). `draft_vocab` restricts drafting to those ids; by
-    default the head's own (`model.mtp.draft_vocab`, from a head trained with mtp.draft_vocab), "full" drafts over
-    the whole vocabulary.
+    model's MTP module (chained) or its parallel heads 1..k (blockwise, all at once) and verifies them in one
+    trunk forward (lossless: greedy output is token for token the same, sampled output has exactly the same
+    distribution). `draft_vocab` restricts drafting to those ids; by default the head's own
+    (`model.drafter.draft_vocab`, from a head trained with mtp.draft_vocab), "full" drafts over the whole
+    vocabulary.
     `draft_min_prob` = p > 0 gates drafting: a row stops after its first draft whose head probability is below p
     (see `speculative.DraftHead`); output is unchanged, fewer drafts are wasted.
     `on_tokens(row, ids)` is called with every row's new tokens as they are produced (for streaming)."""
@@ -185,8 +191,11 @@ def generate(
         raise ValueError(f"max_new_tokens must be >= 1 and an integer, not {max_new_tokens!r}")
     if k < 0:
         raise ValueError(f"draft_tokens must be >= 0, not {k}")
-    if k and model.mtp is None:
+    if k and model.drafter is None:
         raise ValueError("this model has no MTP head: load one with --mtp or train one (draft_tokens needs it)")
+    if model.mtp_heads is not None and k > len(model.mtp_heads.layers):
+        raise ValueError(f"draft_tokens = {k} but the model has {len(model.mtp_heads.layers)} parallel heads, one "
+                         f"per draft: use draft_tokens <= {len(model.mtp_heads.layers)}")
     if draft_min_prob and not k:
         raise ValueError("draft_min_prob gates speculative drafting: give draft_tokens >= 1 as well")
     longest = max(map(len, rows))
@@ -202,8 +211,8 @@ def generate(
         if draft_vocab != "full":
             raise ValueError(f"draft_vocab must be token ids, None (the head's own) or 'full', not {draft_vocab!r}")
         draft_vocab = None
-    elif draft_vocab is None and model.mtp is not None:
-        draft_vocab = model.mtp.draft_vocab
+    elif draft_vocab is None and model.drafter is not None:
+        draft_vocab = model.drafter.draft_vocab
     head = spec.DraftHead(model, params, draft_vocab, draft_min_prob) if k else None
 
     book = _Bookkeeper(len(rows), k, max_new_tokens, eos, on_tokens)
@@ -215,7 +224,7 @@ def _decode(model, rows, vision, book: _Bookkeeper, params, generator, head) -> 
     start = time.perf_counter()
     k, weight = book.k, model.output_weight
     cache = Cache(model.config, len(rows), max(map(len, rows)) + book.max_new + k + 1, weight.dtype, weight.device)
-    last, delta, m = _prefill(model, cache, rows, vision, params, generator, with_mtp=k > 0)
+    last, delta, m = _prefill(model, cache, rows, vision, params, generator, k)
     pos_host = list(map(len, rows))  # cache slots also kept on the host, so no forward reads them back
     pos = torch.tensor(pos_host, device=weight.device)  # [B]: cache slot of `last`, not yet in the cache
     keep = book.emit([[t] for t in last.tolist()])
@@ -233,7 +242,8 @@ def _decode(model, rows, vision, book: _Bookkeeper, params, generator, head) -> 
             n = drafted = torch.zeros_like(last)
             tokens = select(logits, params, generator)[:, None]
         else:
-            n, drafted, tokens, m = spec.step(model, cache, last, pos, delta, m, top, k, head, params, generator)
+            stepper = blockwise.step if model.mtp_heads is not None else spec.step
+            n, drafted, tokens, m = stepper(model, cache, last, pos, delta, m, top, k, head, params, generator)
         book.forward_passes += 1
         host = torch.cat([n[:, None], drafted[:, None], tokens], dim=1).tolist()  # the one device read of the step
         keep = book.emit([h[2 : h[0] + 3] for h in host], [(h[0], h[1]) for h in host] if k else None)

@@ -161,14 +161,13 @@ def mtp_extend(model, cache, hidden, tokens, pos, delta, top: int):
     return model.mtp_step(tokens, hidden, slots + delta[:, None], 1, cache, slots, kv_len=top + T)
 
 
-def step(model, cache, last, pos, delta, m, top: int, k: int, head: DraftHead, params: SamplingParams, generator):
-    """One speculative step for every row: draft up to k tokens, verify [last, drafts] in one trunk forward,
-    accept, roll the GDN state back to the last accepted token, and run the MTP over the accepted rows.
-    last, pos [B]: the last sampled token and its cache slot (not yet in the cache); delta [B]: its rope position
-    - slot; m [B, H]: the MTP's output at slot pos-1; top = max(pos). Returns accepted counts n [B], drafted
-    counts [B], tokens [B, K+1] (first n+1 emitted; K = the longest row's drafts) and the next m. A gated batch
+def verify(model, cache, last, pos, delta, top: int, drafts, q, count, params: SamplingParams, generator):
+    """Verify [last, drafts] in one trunk forward at slots pos..pos+K, accept (greedy or speculative sampling) and
+    roll the GDN state back to the last accepted token. last, pos [B]: the last sampled token and its cache slot
+    (not yet in the cache); delta [B]: its rope position - slot; top = max(pos); drafts [B, K] with their draft
+    distributions q [B, K, V] (None when greedy) and per-row counts [B]. Returns accepted counts n [B], tokens
+    [B, K+1] (first n+1 emitted) and the trunk's hidden over the verified rows [B, K+1, H]. A gated batch
     verifies K+1 positions for every row (one forward; shorter rows' padding is never accepted)."""
-    drafts, q, count = draft(model, cache, m, pos, delta, top, k, head, generator)
     K = drafts.shape[1]
     slots = pos[:, None] + torch.arange(K + 1, device=pos.device)
     with cache.verifying():
@@ -179,6 +178,16 @@ def step(model, cache, last, pos, delta, m, top: int, k: int, head: DraftHead, p
     else:
         n, tokens = accept_sampling(drafts, q, probs(out.logits, params), generator, count)
     cache.commit(n + 1)  # GDN layers continue from the state after the last accepted token
+    return n, tokens, out.hidden
+
+
+def step(model, cache, last, pos, delta, m, top: int, k: int, head: DraftHead, params: SamplingParams, generator):
+    """One speculative step for every row: draft up to k tokens by chaining the MTP, `verify` them, and run the
+    MTP over the accepted rows. m [B, H]: the MTP's output at slot pos-1; the other arguments as in `verify`.
+    Returns accepted counts n [B], drafted counts [B], tokens [B, K+1] (first n+1 emitted; K = the longest
+    row's drafts) and the next m."""
+    drafts, q, count = draft(model, cache, m, pos, delta, top, k, head, generator)
+    n, tokens, hidden = verify(model, cache, last, pos, delta, top, drafts, q, count, params, generator)
     # MTP row j: trunk hidden at pos+j and the token emitted after it; row n, the last one kept, drafts next
-    ext = mtp_extend(model, cache, out.hidden, tokens, pos, delta, top)
+    ext = mtp_extend(model, cache, hidden, tokens, pos, delta, top)
     return n, count, tokens, ext[torch.arange(n.shape[0], device=n.device), n]

@@ -43,7 +43,8 @@ _POSITIVE_NULL = ("num_key_value_heads", "head_dim", "decoder_sparse_step")
 _COUNTS = ("intermediate_size", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
            "linear_value_head_dim")
 _COUNTS_NULL = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-                "shared_expert_intermediate_size", "mtp_num_hidden_layers", "num_nextn_predict_layers")
+                "shared_expert_intermediate_size", "mtp_num_hidden_layers", "num_nextn_predict_layers",
+                "mtp_parallel_heads", "mtp_parallel_intermediate_size")
 _FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "norm_topk_prob", "attn_output_gate",
           "use_sliding_window")
 _LAYER_TYPES = ("full_attention", "linear_attention")
@@ -93,7 +94,7 @@ def _check_values(c: dict) -> None:
          f"a list of {' / '.join(_LAYER_TYPES)}", nullable=True)
     for key in ("rope_scaling", "rope_parameters"):
         need(key, lambda v: isinstance(v, dict), "an object", nullable=True)
-    for key in ("num_hidden_layers", "mtp_num_hidden_layers", "num_nextn_predict_layers"):
+    for key in ("num_hidden_layers", "mtp_num_hidden_layers", "num_nextn_predict_layers", "mtp_parallel_heads"):
         if _is_int(c.get(key)) and c[key] > MAX_LAYERS:
             raise ConfigError(f"config.json: {key} = {c[key]} is implausibly large (mtpkit accepts up to "
                               f"{MAX_LAYERS}): the file is corrupt or not a model config")
@@ -155,6 +156,10 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     # MTP
     mtp_num_hidden_layers: int = 0
+    # parallel heads (Gloeckle et al. 2024; mtpkit's own layout, see models/parallel_heads.py): heads 1..D beside
+    # the trunk's own head 0, each one full-attention layer; at most one of them and mtp_num_hidden_layers is set
+    mtp_parallel_heads: int = 0
+    mtp_parallel_intermediate_size: int = 0  # the heads' MLP width (0: intermediate_size); dense models only
     extra: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -277,6 +282,8 @@ def config_from_hf(raw: dict) -> ModelConfig:
             decoder_sparse_step=c.get("decoder_sparse_step", 1) or 1,
             mlp_only_layers=tuple(c.get("mlp_only_layers") or ()),
             mtp_num_hidden_layers=int(mtp_layers or 0),
+            mtp_parallel_heads=c.get("mtp_parallel_heads") or 0,
+            mtp_parallel_intermediate_size=c.get("mtp_parallel_intermediate_size") or 0,
         )
     except KeyError as e:
         raise ConfigError(f"config.json lacks the required key {e.args[0]!r} for model_type '{model_type}'") from None
@@ -308,5 +315,11 @@ def _check_shapes(cfg: ModelConfig) -> None:
     if cfg.num_experts and not (0 < cfg.num_experts_per_tok <= cfg.num_experts and cfg.moe_intermediate_size):
         raise ConfigError(f"config.json: a mixture-of-experts model needs num_experts_per_tok in 1..num_experts "
                           f"({cfg.num_experts}) and a positive moe_intermediate_size")
+    if cfg.mtp_parallel_heads and cfg.mtp_num_hidden_layers:
+        raise ConfigError(f"config.json sets both mtp_num_hidden_layers ({cfg.mtp_num_hidden_layers}) and "
+                          f"mtp_parallel_heads ({cfg.mtp_parallel_heads}): a model drafts with one kind of head")
+    if cfg.mtp_parallel_intermediate_size and cfg.num_experts:
+        raise ConfigError("config.json: mtp_parallel_intermediate_size sizes dense heads, but this model's heads are "
+                          "mixture-of-experts layers (as its MTP layers would be): remove the key")
     if not cfg.intermediate_size and not all(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
         raise ConfigError("config.json: intermediate_size must be positive (the model has dense MLP layers)")

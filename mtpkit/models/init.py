@@ -21,3 +21,11 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
             m.reset_parameters(std)
         elif isinstance(m, nn.Conv1d):
             m.reset_parameters()
+
+
+def copy_last_attention_layer(model: nn.Module, layers: nn.ModuleList) -> None:
+    """Start every layer of a new head (MTP layers, parallel heads) as a copy of the trunk's last full-attention
+    layer, MLP included."""
+    last = next(l for l in reversed(model.model.layers) if l.layer_type == "full_attention")
+    for layer in layers:
+        layer.load_state_dict(last.state_dict())

@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
 from ..kernels.linear import Linear
 from .block import Context, DecoderLayer
 from .config import ModelConfig
-from .init import init_weights
+from .init import copy_last_attention_layer, init_weights
 from .layers import RMSNorm
 
 
 def is_mtp_param(name: str) -> bool:
-    """Whether a parameter or checkpoint tensor name belongs to the MTP module (`mtp.*`). Wrappers (whole-model
-    compile, FSDP, activation checkpointing) may add a prefix, but the module path keeps `mtp.` as a component."""
-    return name.startswith("mtp.") or ".mtp." in name
+    """Whether a parameter or checkpoint tensor name belongs to a drafting head: the MTP module (`mtp.*`) or the
+    parallel heads (`mtp_heads.*`). Wrappers (whole-model compile, FSDP, activation checkpointing) may add a
+    prefix, but the module path keeps `mtp.` or `mtp_heads.` as a component."""
+    return any(name.startswith(p) or f".{p}" in name for p in ("mtp.", "mtp_heads."))
 
 
 class MTP(nn.Module):
@@ -46,7 +45,8 @@ class MTP(nn.Module):
 
 
 def add_mtp(model: nn.Module, depth: int = 1, init: str = "random") -> nn.Module:
-    """Give a model without one (Qwen3-VL, Llama, SmolLM2) an MTP module of `depth` layers, in place.
+    """Give a model without one (Qwen3-VL, Llama, SmolLM2) an MTP module of `depth` layers, in place (replacing
+    any parallel heads it has).
 
     init="random": normal(0.02) weights, identity norms. init="last_layer": every MTP decoder layer starts as a
     copy of the trunk's last full-attention layer (its MLP too), the rest random.
@@ -55,14 +55,13 @@ def add_mtp(model: nn.Module, depth: int = 1, init: str = "random") -> nn.Module
         raise ValueError(f"init must be 'random' or 'last_layer', not {init!r}")
     if depth < 1:
         raise ValueError(f"depth must be >= 1, not {depth}")
-    cfg = model.config.replace(mtp_num_hidden_layers=depth)
+    cfg = model.config.replace(mtp_num_hidden_layers=depth, mtp_parallel_heads=0)
     ref = model.model.embed_tokens.weight
     mtp = MTP(cfg).to(device=ref.device, dtype=ref.dtype)
     init_weights(mtp)
     if init == "last_layer":
-        last = next(l for l in reversed(model.model.layers) if l.layer_type == "full_attention")
-        for layer in mtp.layers:
-            layer.load_state_dict(copy.deepcopy(last.state_dict()))
+        copy_last_attention_layer(model, mtp.layers)
     model.config = cfg
     model.mtp = mtp
+    model.mtp_heads = None  # a model drafts with one kind of head
     return model

@@ -1,7 +1,7 @@
-"""The decoder-only language model shared by every family, plus its optional MTP module.
+"""The decoder-only language model shared by every family, plus its optional MTP module (or parallel heads).
 
 Parameter names are the HF checkpoint names of the text layout (`model.embed_tokens`, `model.layers.{i}...`,
-`model.norm`, `lm_head`, `mtp.*`), so loading is a near-identity map.
+`model.norm`, `lm_head`, `mtp.*`; mtpkit's own `mtp_heads.*`), so loading is a near-identity map.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from .block import Context, DecoderLayer
 from .config import ModelConfig
 from .layers import RMSNorm, rope_cos_sin
 from .mtp import MTP
+from .parallel_heads import ParallelHeads
 
 
 @dataclass
@@ -87,8 +88,14 @@ class CausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mtp = MTP(config) if config.mtp_num_hidden_layers > 0 else None
+        self.mtp_heads = ParallelHeads(config) if config.mtp_parallel_heads > 0 else None  # or parallel heads
         # decoding-time replacement of the lm_head product, set from outside (decode/int8.py's quantize_int8)
         self.output_projection: nn.Module | None = None
+
+    @property
+    def drafter(self) -> nn.Module | None:
+        """What drafts for speculative decoding: the sequential MTP module or the parallel heads (one at most)."""
+        return self.mtp if self.mtp is not None else self.mtp_heads
 
     @property
     def output_weight(self) -> torch.Tensor:

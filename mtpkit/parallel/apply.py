@@ -17,10 +17,11 @@ logger = logging.getLogger("mtpkit")
 
 
 def _blocks(model) -> list[tuple[nn.ModuleList, int]]:
-    """(container, index) of every decoder layer: trunk first, then the MTP layers."""
+    """(container, index) of every decoder layer: trunk first, then the MTP layers (or parallel heads)."""
     out = [(model.model.layers, i) for i in range(len(model.model.layers))]
-    if getattr(model, "mtp", None) is not None:
-        out += [(model.mtp.layers, i) for i in range(len(model.mtp.layers))]
+    for head in (getattr(model, "mtp", None), getattr(model, "mtp_heads", None)):
+        if head is not None:
+            out += [(head.layers, i) for i in range(len(head.layers))]
     return out
 
 

@@ -356,8 +356,9 @@ def resolve_checkpoint(run_or_ckpt) -> tuple[Path, Path]:
 def export(run_or_ckpt, out_dir, dtype: torch.dtype | None = None, mtp_only: bool = False,
            overwrite: bool = False) -> Path:
     """Write a training checkpoint as an HF-layout model directory: config.json (mtp_num_hidden_layers set),
-    safetensors with `mtp.*` under the names vLLM and SGLang load, and the run's tokenizer files. With `mtp_only`,
-    `out_dir` is instead one .safetensors file holding just the `mtp.*` tensors (a head for `--mtp`). An existing
+    safetensors with `mtp.*` under the names vLLM and SGLang load (parallel heads: mtpkit's own `mtp_heads.*`), and
+    the run's tokenizer files. With `mtp_only`, `out_dir` is instead one .safetensors file holding just the head's
+    tensors (a head for `--mtp`). An existing
     target is refused unless `overwrite` (see `mtpkit.save_model`)."""
     from ..checkpoint.hf import build_model, save_model
     from ..checkpoint.safe_write import check_target
@@ -381,7 +382,7 @@ def export(run_or_ckpt, out_dir, dtype: torch.dtype | None = None, mtp_only: boo
         from ..checkpoint.mtp_head import save_mtp_head
         from .draft_vocab import read_run_draft_vocab
 
-        model.mtp.draft_vocab = read_run_draft_vocab(run_dir)  # trained with mtp.draft_vocab: it drafts over those
+        model.drafter.draft_vocab = read_run_draft_vocab(run_dir)  # trained with mtp.draft_vocab: it drafts over those
         return save_mtp_head(model, out_dir, dtype, overwrite=overwrite)
     if dtype is not None:
         model = model.to(dtype)

@@ -32,6 +32,10 @@ class ModelSection:
 @dataclass
 class MTPSection:
     depth: int = 1  # D: number of MTP depths trained (0: plain next-token training, no MTP module)
+    # "sequential": the MTP module (DeepSeek-V3 / Qwen3.5 layout, chained depths) | "parallel": D parallel heads
+    # (Gloeckle et al. 2024: one decoder layer each over the trunk's hidden, trained with the per-head backward;
+    # mtpkit's own checkpoint layout, see docs/MTP.md)
+    kind: str = "sequential"
     layers: int = 0  # MTP decoder layers of a new head (0: = depth); depths beyond them reuse the last layer
     init: str = "checkpoint"  # "checkpoint" (the model's own head) | "random" | "last_layer" (copy trunk's last layer)
     only: bool = False  # MTP-only: trunk, embedding and lm_head frozen; only mtp.* is trained
@@ -142,6 +146,7 @@ SECTIONS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
 _SECTION_TYPES = {f.name: type(f.default_factory()) for f in dataclasses.fields(TrainConfig)}
 _CHOICES = {
     ("mtp", "init"): ("checkpoint", "random", "last_layer"),
+    ("mtp", "kind"): ("sequential", "parallel"),
     ("data", "format"): ("auto", "text", "jsonl", "parquet"),
     ("data", "mode"): ("pretrain", "sft", "tokens", "features"),
     ("mtp", "head_loss"): ("hard", "soft"),
@@ -268,6 +273,12 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigKeyError("mtp.only needs mtp.depth >= 1")
     if cfg.mtp.detach_trunk and (cfg.mtp.only or cfg.mtp.depth == 0):
         raise ConfigKeyError("mtp.detach_trunk needs mtp.depth >= 1 and mtp.only = false (mtp.only freezes the trunk)")
+    if cfg.mtp.kind == "parallel" and cfg.mtp.layers not in (0, cfg.mtp.depth):
+        raise ConfigKeyError(f"mtp.layers = {cfg.mtp.layers}, but parallel heads are one layer each: leave mtp.layers "
+                             f"= 0 (or {cfg.mtp.depth}, = mtp.depth)")
+    if cfg.mtp.kind == "parallel" and (cfg.mtp.depth == 0 or cfg.mtp.detach_trunk):
+        raise ConfigKeyError("mtp.kind = 'parallel' needs mtp.depth >= 1 (the number of heads) and mtp.detach_trunk = "
+                             "false (the heads share the trunk's final norm)")
     if cfg.mtp.weights is not None and len(cfg.mtp.weights) != cfg.mtp.depth:
         raise ConfigKeyError(f"mtp.weights has {len(cfg.mtp.weights)} entries but mtp.depth is {cfg.mtp.depth}")
     for name in ("lambda_schedule", "depth_curriculum"):

@@ -251,7 +251,11 @@ def compute_loss(model, batch: dict, cfg: LossConfig, step: int = 0, token_count
         correct.append(n_correct)
     mtp = sum(w * term for w, term in zip(weights, terms[1:]))
     # MTP-only: the main CE is reported but carries no gradient, so it stays out of the objective
-    loss = mtp if cfg.mtp_only else terms[0] + mtp
+    return _output(mtp if cfg.mtp_only else terms[0] + mtp, sums, valid, correct)
+
+
+def _output(loss: Tensor, sums: list[Tensor], valid: list[Tensor], correct: list[Tensor]) -> LossOutput:
+    """The LossOutput of an objective and, per head (main first), its CE sum, valid targets and correct top-1."""
     counts = torch.stack(valid + correct).tolist()  # one host sync for every count
     valid_n, correct_n = counts[: len(valid)], counts[len(valid) :]
     means = [s / max(n, 1) for s, n in zip(sums, valid_n)]

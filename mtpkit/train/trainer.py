@@ -29,6 +29,7 @@ import torch
 
 from ..checkpoint.hf import build_model, hf_config_dict, load_model
 from ..models.mtp import add_mtp
+from ..models.parallel_heads import add_parallel_heads
 from ..models.multimodal import load_processor
 from ..parallel.distributed import all_reduce_sum, barrier, init_distributed, shutdown
 from ..parallel.apply import parallelize
@@ -41,6 +42,7 @@ from .draft_vocab import draft_vocabulary, write_run_draft_vocab
 from .features import FEATURE_KEYS
 from .loss import LossConfig, compute_loss, count_tokens, freeze_trunk, shift_labels, tau_sim
 from .optim import build_optimizer, build_scheduler
+from .parallel_heads_loss import parallel_heads_loss
 from .vision_data import rows_vision
 
 logger = logging.getLogger("mtpkit")
@@ -66,34 +68,42 @@ def _raw_model_config(spec) -> dict:
 
 def build_train_model(cfg: TrainConfig):
     """The model a run trains: loaded (model.path) or built from a config.json (model.config), with an MTP head of
-    `mtp.layers or mtp.depth` layers from the checkpoint, random, or copied from the trunk's last layer."""
+    `mtp.layers or mtp.depth` layers (mtp.kind = "parallel": mtp.depth parallel heads) from the checkpoint,
+    random, or copied from the trunk's last layer."""
     m = cfg.mtp
     layers = m.layers or m.depth
     dtype = _DTYPES[cfg.model.dtype]
     vision = cfg.data.images  # image data trains the vision tower too; otherwise it is carried through untouched
+    parallel = m.kind == "parallel"
+    add_head = add_parallel_heads if parallel else add_mtp
     if cfg.model.config is not None:
         raw = _raw_model_config(cfg.model.config)
         target = raw.get("text_config", raw)  # VLM layout: the text model's config
-        target["mtp_num_hidden_layers"] = layers if m.depth and m.init != "last_layer" else 0
+        key, other = ("mtp_parallel_heads", "mtp_num_hidden_layers") if parallel else \
+            ("mtp_num_hidden_layers", "mtp_parallel_heads")
+        target[key] = layers if m.depth and m.init != "last_layer" else 0
+        target.pop(other, None)
         model = build_model(raw, dtype=dtype, vision=vision)
         if m.depth and m.init == "last_layer":
-            add_mtp(model, layers, "last_layer")
+            add_head(model, layers, "last_layer")
         return model
     path = Path(cfg.model.path).expanduser()
     if m.depth == 0:
         return load_model(path, dtype=dtype, mtp=False, vision=vision)
     if m.init == "checkpoint":
         model = load_model(path, dtype=dtype, mtp=True, vision=vision)
-        if model.mtp is None:
+        head, what = (model.mtp_heads, "parallel heads") if parallel else (model.mtp, "MTP head")
+        if head is None:
             raise ValueError(
-                f"{path} has no MTP head (mtp.init = 'checkpoint'): set mtp.init = 'random' or 'last_layer' to add one"
+                f"{path} has no {what} (mtp.init = 'checkpoint'): set mtp.init = 'random' or 'last_layer' to add one"
             )
-        if m.layers and m.layers != model.config.mtp_num_hidden_layers:
-            raise ValueError(f"mtp.layers = {m.layers} but {path} has a {model.config.mtp_num_hidden_layers}-layer "
-                             "MTP head: leave mtp.layers = 0 or use mtp.init = 'random' / 'last_layer'")
+        want = m.depth if parallel else m.layers  # parallel: one head per depth; sequential: 0 = the checkpoint's
+        if want and want != len(head.layers):
+            raise ValueError(f"mtp.{'depth' if parallel else 'layers'} = {want} but {path} has a {len(head.layers)}-"
+                             f"layer {what}: match it, or use mtp.init = 'random' / 'last_layer'")
         return model
     model = load_model(path, dtype=dtype, mtp=False, vision=vision)
-    return add_mtp(model, layers, m.init)
+    return add_head(model, layers, m.init)
 
 
 def loss_config(cfg: TrainConfig) -> LossConfig:
@@ -158,6 +168,9 @@ class Trainer:
         t = cfg.train
         self.dist = init_distributed(t.device, cfg.parallel.tp, cfg.parallel.dp_shard)
         self.device = self.dist.device
+        if cfg.mtp.kind == "parallel" and self.dist.world > 1:
+            raise ValueError("mtp.kind = 'parallel' trains on one process for now (its per-head backward runs "
+                             "several backward passes per step, untested with FSDP2 and TP): launch without torchrun")
         if not self.dist.is_main:  # one copy of the info lines, from rank 0
             logger.setLevel(logging.WARNING)
         if t.threads:
@@ -264,13 +277,18 @@ class Trainer:
         loss_sum, main_sum = 0.0, 0.0
         mtp_sum, correct = [0.0] * n_depths, [0.0] * n_depths
         self.model.train(train)
+        parallel = self.cfg.mtp.kind == "parallel"
         with torch.set_grad_enabled(train):
             for mb in micros:
                 with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                     # on stored features the main CE is a constant of the data: computed in evaluation only
-                    out = compute_loss(self.model, mb, self.loss_cfg, step, token_counts,
-                                       with_main=not (train and self.cfg.data.mode == "features"))
-                if train:
+                    with_main = not (train and self.cfg.data.mode == "features")
+                    if parallel:  # backpropagates head by head itself
+                        out = parallel_heads_loss(self.model, mb, self.loss_cfg, step, token_counts, with_main,
+                                                  backward=train)
+                    else:
+                        out = compute_loss(self.model, mb, self.loss_cfg, step, token_counts, with_main=with_main)
+                if train and not parallel:
                     out.loss.backward()
                 loss_sum += float(out.loss.detach())
                 main_sum += float(out.main_loss) * out.main_tokens
@@ -440,9 +458,10 @@ class Trainer:
         if self.dist.is_main:
             n_params = sum(p.numel() for p in self.model.parameters())
             n_train = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-            logger.info("model %s: %.2fM params (%.2fM trained), MTP depth %d%s; %d ranks, device %s%s; "
+            logger.info("model %s: %.2fM params (%.2fM trained), MTP depth %d (%s)%s; %d ranks, device %s%s; "
                         "%.3g GFLOP/token", self.model_config.model_type, n_params / 1e6, n_train / 1e6,
-                        cfg.mtp.depth, " (MTP-only)" if cfg.mtp.only else "", self.dist.world, self.device.type,
+                        cfg.mtp.depth, cfg.mtp.kind, " (MTP-only)" if cfg.mtp.only else "", self.dist.world,
+                        self.device.type,
                         f", autocast {self.amp_dtype}" if self.amp_dtype else "", self.flops_per_token / 1e9)
         bar = tqdm(total=cfg.train.steps, initial=self.step, disable=not (self.dist.is_main and cfg.log.progress),
                    dynamic_ncols=True, desc="train")

@@ -5,10 +5,11 @@ the trunk's distribution exactly (statistical tests with a fixed seed, shown to 
 import pytest
 import torch
 from drafting import CONFIGS, PROMPTS, drafting_model
+from sampling_stats import chi2_pvalue, empirical_counts, exact_joint
 
 import mtpkit
 from mtpkit.decode import speculative as spec
-from mtpkit.decode.sampling import SamplingParams, probs
+from mtpkit.decode.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -98,19 +99,6 @@ def test_mtp_cache_follows_accepted_tokens(monkeypatch):
 
 # --- sampling exactness ---------------------------------------------------------------------------------------
 
-def chi2_pvalue(counts: torch.Tensor, expected_p: torch.Tensor, min_expected: float = 5.0) -> float:
-    """Pearson chi-square goodness of fit; cells expected below min_expected are pooled into one."""
-    n = counts.sum()
-    exp = expected_p.double() * n
-    small = exp < min_expected
-    obs = torch.cat([counts[~small].double(), counts[small].double().sum()[None]])
-    exp = torch.cat([exp[~small], exp[small].sum()[None]])
-    keep = exp > 0
-    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.double), stat / 2))
-
-
 def test_accept_sampling_output_is_distributed_as_p():
     """One verification position, many rows: the emitted token's law is p whatever q is."""
     g = torch.Generator().manual_seed(0)
@@ -128,19 +116,6 @@ def test_accept_sampling_output_is_distributed_as_p():
     assert chi2_pvalue(torch.bincount(tokens[n == 1, 1], minlength=V), p) > 1e-3
 
 
-def exact_joint(model, prompt, params, n_tokens):
-    """P(first n_tokens new tokens) [V]*n_tokens, by full forwards over every continuation (tiny vocab)."""
-    V = model.config.vocab_size
-    joint = torch.ones(())
-    seqs = torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(n_tokens):
-            p = probs(model(seqs).logits[:, -1], params).double()  # [V^t, V]
-            joint = (joint.reshape(-1, 1) * p).reshape(-1)
-            seqs = torch.cat([seqs.repeat_interleave(V, 0), torch.arange(V).repeat(seqs.shape[0])[:, None]], 1)
-    return joint
-
-
 @pytest.fixture(scope="module")
 def sampling_case():
     """A model whose random MTP head drafts from a q far from p, the exact law of 3 new tokens, and a prompt
@@ -154,19 +129,10 @@ def sampling_case():
     return model, params, prompt, exact_joint(model, prompt, params, 3)
 
 
-def _empirical(model, params, prompt, k, seed, rows=12_000, draft_vocab=None, draft_min_prob=0.0):
-    r = mtpkit.generate(model, torch.tensor([prompt] * rows), max_new_tokens=3, draft_tokens=k,
-                        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed,
-                        draft_vocab=draft_vocab, draft_min_prob=draft_min_prob)
-    V = model.config.vocab_size
-    idx = torch.tensor([t[0] * V * V + t[1] * V + t[2] for t in r.tokens])
-    return torch.bincount(idx, minlength=V**3), r.stats
-
-
 @pytest.mark.parametrize("k", [0, 1, 2])
 def test_speculative_sampling_matches_the_exact_distribution(sampling_case, k):
     model, params, prompt, joint = sampling_case
-    counts, stats = _empirical(model, params, prompt, k, seed=k)
+    counts, stats = empirical_counts(model, params, prompt, k, seed=k)
     assert chi2_pvalue(counts, joint) > 1e-3
     if k:
         assert 0.1 < stats["acceptance_rate"] < 0.9
@@ -175,7 +141,7 @@ def test_speculative_sampling_matches_the_exact_distribution(sampling_case, k):
 def test_sampling_from_a_reduced_draft_vocab_stays_exact(sampling_case):
     """q is zero outside the draft vocabulary; tokens outside it still come out at the trunk's rate."""
     model, params, prompt, joint = sampling_case
-    counts, stats = _empirical(model, params, prompt, 2, seed=5, draft_vocab=torch.arange(0, 32, 2))
+    counts, stats = empirical_counts(model, params, prompt, 2, seed=5, draft_vocab=torch.arange(0, 32, 2))
     assert chi2_pvalue(counts, joint) > 1e-3
     assert stats["accepted"] > 0
 
@@ -199,11 +165,11 @@ def test_gated_sampling_matches_the_exact_distribution(sampling_case, monkeypatc
     """The stopping rule reads only q(d) on the draft side, so the output law stays the trunk's; the same counts
     reject the stale-bonus bug."""
     model, params, prompt, joint = sampling_case
-    counts, stats = _empirical(model, params, prompt, 3, seed=11, draft_min_prob=0.1)
+    counts, stats = empirical_counts(model, params, prompt, 3, seed=11, draft_min_prob=0.1)
     assert chi2_pvalue(counts, joint) > 1e-3
     assert all(stats["draft_lengths"]) and stats["drafted"] < 3 * stats["verification_steps"]
     monkeypatch.setattr(spec, "accept_sampling", stale_bonus(spec.accept_sampling))
-    counts, _ = _empirical(model, params, prompt, 3, seed=11, draft_min_prob=0.1)
+    counts, _ = empirical_counts(model, params, prompt, 3, seed=11, draft_min_prob=0.1)
     assert chi2_pvalue(counts, joint) < 1e-6
 
 
@@ -211,5 +177,5 @@ def test_the_sampling_test_fails_for_a_wrong_rejection_rule(sampling_case, monke
     """Drawing from p instead of normalize(max(p - q, 0)) after a rejection is the classic bug: caught."""
     model, params, prompt, joint = sampling_case
     monkeypatch.setattr(spec, "residual", lambda p, q: p)
-    counts, _ = _empirical(model, params, prompt, 2, seed=2)
+    counts, _ = empirical_counts(model, params, prompt, 2, seed=2)
     assert chi2_pvalue(counts, joint) < 1e-6

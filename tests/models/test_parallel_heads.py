@@ -1,5 +1,5 @@
-"""Parallel heads (Gloeckle et al. 2024): the sequential per-head backward equals one plain backward, and drafts
-for blockwise parallel decoding come from the last position, with or without per-head KV caches."""
+"""Parallel heads (Gloeckle et al. 2024): the per-head sequential backward equals one plain backward of the same
+objective, MTP-only trains the heads alone, and the heads' cached outputs over new rows equal a full forward's."""
 
 import pytest
 import torch
@@ -7,18 +7,21 @@ import torch.nn.functional as F
 from tiny_models import hf_model
 
 import mtpkit
-from mtpkit.decode.cache import KVCache
-from mtpkit.models.parallel_heads import ParallelHeads, draft
-from mtpkit.train.parallel_heads_loss import parallel_heads_loss_backward
+from mtpkit.decode.cache import Cache
+from mtpkit.models.parallel_heads import add_parallel_heads, head_outputs
 from mtpkit.models.transformer import segment_positions
-from mtpkit.train.loss import shift_labels
+from mtpkit.train.loss import LossConfig, freeze_trunk, shift_labels
+from mtpkit.train.parallel_heads_loss import parallel_heads_loss
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+WEIGHTS = [0.5, 0.3, 0.2]
 
 
 @pytest.fixture(scope="module")
-def setup():
-    model = mtpkit.build_model(hf_model("qwen3_5").config.to_dict())  # hybrid trunk, no MTP module
+def model():
     torch.manual_seed(0)
-    return model, ParallelHeads(model.config, 4)
+    raw = dict(hf_model("qwen3_5").config.to_dict(), mtp_num_hidden_layers=0, mtp_parallel_heads=3)
+    return mtpkit.build_model(raw)  # hybrid trunk and 3 heads
 
 
 def packed_batch(B=2, T=18):
@@ -30,72 +33,97 @@ def packed_batch(B=2, T=18):
     return {"input_ids": ids, "segment_ids": seg, "labels": shift_labels(ids, seg, mask), "mask": mask}
 
 
-def plain_loss(model, heads, batch):
-    """All heads' full logits at once, plain F.cross_entropy against hand-rolled targets, summed."""
+def plain_loss(model, batch, weights):
+    """All heads' full logits at once, plain F.cross_entropy against hand-rolled targets, weighted and summed."""
     ids, seg, mask = batch["input_ids"], batch["segment_ids"], batch["mask"]
     T = ids.shape[1]
     out = model(ids, segment_ids=seg)
     ctx = model.context(segment_positions(seg), seg)
     total = 0
-    for j in range(heads.n):
-        logits = out.logits if j == 0 else model.logits(heads(model, out.hidden, ctx, j))
+    for j, w in enumerate([1.0, *weights]):
+        logits = out.logits if j == 0 else model.logits(model.mtp_heads(model, out.hidden, ctx, j))
         # row i predicts token i+1+j when it is in i's document and supervised
         ok = torch.zeros_like(mask)
         ok[:, : T - 1 - j] = (seg[:, 1 + j :] == seg[:, : T - 1 - j]) & mask[:, 1 + j :]
         targets = torch.full_like(ids, -100)
         targets[:, : T - 1 - j] = torch.where(ok[:, : T - 1 - j], ids[:, 1 + j :], -100)
-        total = total + F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        total = total + w * F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
     return total
 
 
-def all_grads(*modules):
-    return {f"{i}.{n}": p.grad.clone() for i, m in enumerate(modules) for n, p in m.named_parameters()}
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_sequential_backward_equals_plain_backward(setup):
-    model, heads = setup
+def test_sequential_backward_equals_plain_backward(model):
     batch = packed_batch()
-    model.zero_grad(), heads.zero_grad()
-    losses = parallel_heads_loss_backward(model, heads, batch, ce_chunk_tokens=5)
-    got = all_grads(model, heads)
-    model.zero_grad(), heads.zero_grad()
-    ref = plain_loss(model, heads, batch)
+    model.zero_grad()
+    out = parallel_heads_loss(model, batch, LossConfig(mtp_weights=WEIGHTS, ce_chunk_tokens=5), backward=True)
+    got = grads(model)
+    model.zero_grad()
+    ref = plain_loss(model, batch, WEIGHTS)
     ref.backward()
-    expected = all_grads(model, heads)
-    assert list(losses) == ["head_0", "head_1", "head_2", "head_3"]
-    torch.testing.assert_close(sum(losses.values()), ref.detach(), rtol=1e-6, atol=1e-6)
-    assert got.keys() == expected.keys()
+    expected = grads(model)
+    model.zero_grad()
+    assert not out.loss.requires_grad and len(out.mtp_losses) == 3 and len(out.mtp_accuracy) == 3
+    torch.testing.assert_close(out.loss, ref.detach(), rtol=1e-6, atol=1e-6)
+    assert got.keys() == expected.keys() and any(n.startswith("mtp_heads.") for n in got)
     for n in got:
         torch.testing.assert_close(got[n], expected[n], rtol=0, atol=1e-6, msg=n)
     assert all(g.abs().sum() > 0 for n, g in got.items() if ".layers." in n or "embed" in n)
-    model.zero_grad(), heads.zero_grad()
+    # power: weighting the heads differently changes every head's gradient
+    model.zero_grad()
+    parallel_heads_loss(model, batch, LossConfig(mtp_weights=[0.2, 0.3, 0.5]), backward=True)
+    assert not torch.allclose(grads(model)["mtp_heads.layers.0.mlp.down_proj.weight"],
+                              expected["mtp_heads.layers.0.mlp.down_proj.weight"], atol=1e-6)
+    model.zero_grad()
 
 
-def test_needs_at_least_one_extra_head(setup):
-    with pytest.raises(ValueError, match=">= 2"):
-        ParallelHeads(setup[0].config, 1)
+def test_mtp_only_trains_the_heads_alone_and_counts_normalise(model):
+    batch = packed_batch()
+    counts = {"main": 50, "mtp": [40, 30, 20]}  # global counts, as the trainer sums them over micro-batches
+    cfg = LossConfig(mtp_weights=WEIGHTS, mtp_only=True)
+    model.zero_grad()
+    freeze_trunk(model)  # as the trainer does: the shared final norm too
+    try:
+        out = parallel_heads_loss(model, batch, cfg, token_counts=counts, backward=True)
+    finally:
+        model.requires_grad_(True)
+    assert set(grads(model)) == {n for n, _ in model.named_parameters() if n.startswith("mtp_heads.")}
+    with torch.no_grad():  # the same objective evaluated without a backward
+        same = parallel_heads_loss(model, batch, cfg, token_counts=counts)
+        plain = parallel_heads_loss(model, batch, LossConfig(mtp_weights=WEIGHTS))
+    torch.testing.assert_close(out.loss, same.loss)
+    sums = [m * n for m, n in zip(plain.mtp_losses, plain.mtp_tokens)]
+    torch.testing.assert_close(out.loss, sum(w * s / c for w, s, c in zip(WEIGHTS, sums, counts["mtp"])),
+                               rtol=1e-5, atol=1e-6)
+    model.zero_grad()
 
 
-def test_draft_gives_n_minus_1_tokens_and_caches_agree(setup):
-    model, heads = setup
+def test_head_count_and_init(model):
+    with pytest.raises(ValueError, match="3 parallel heads"):
+        parallel_heads_loss(model, packed_batch(), LossConfig(mtp_weights=[0.25] * 4))
+    copy = mtpkit.build_model(dict(hf_model("llama").config.to_dict()))
+    add_parallel_heads(copy, 2, "last_layer")
+    last = copy.model.layers[-1].state_dict()
+    for layer in copy.mtp_heads.layers:
+        assert all(torch.equal(v, last[k]) for k, v in layer.state_dict().items())
+    assert copy.drafter is copy.mtp_heads and copy.mtp is None and copy.config.mtp_parallel_heads == 2
+    mtpkit.add_mtp(copy, 1)  # one kind of head at a time
+    assert copy.mtp_heads is None and copy.config.mtp_parallel_heads == 0 and copy.drafter is copy.mtp
+
+
+def test_cached_head_outputs_equal_a_full_forward(model):
     ids = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(2))
     pos = torch.arange(13).expand(2, 13)
     with torch.no_grad():
         hidden = model(ids, return_logits=False).hidden
-    logits, tokens = draft(heads, model, hidden, pos)
-    assert logits.shape == (2, 3, 256) and tokens.shape == (2, 3)
-    assert torch.equal(tokens, logits.argmax(-1))
-    # the same as the training-time heads at the last row
-    ctx = model.context(pos)
-    for j in range(1, 4):
-        expected = model.logits(heads(model, hidden, ctx, j))[:, -1]
-        torch.testing.assert_close(logits[:, j - 1], expected, rtol=1e-5, atol=1e-5)
-    # cached: the first 9 rows, then stale rows at positions 9..14 (rejected drafts), then rows 9..12: slots
-    # 9..12 are overwritten and 13, 14 must stay masked
-    c = model.config
-    caches = [KVCache(2, 32, c.num_key_value_heads, c.head_dim, torch.float32, "cpu") for _ in range(3)]
-    draft(heads, model, hidden[:, :9], pos[:, :9], caches)
-    draft(heads, model, torch.randn(2, 6, c.hidden_size), torch.arange(9, 15).expand(2, 6), caches)
-    cached_logits, cached_tokens = draft(heads, model, hidden[:, 9:], pos[:, 9:], caches)
-    torch.testing.assert_close(cached_logits, logits, rtol=1e-5, atol=1e-5)
-    assert torch.equal(cached_tokens, tokens)
+        full = torch.stack([model.mtp_heads(model, hidden, model.context(pos), j) for j in (1, 2, 3)], dim=2)
+        # cached: the first 9 rows, then stale rows at positions 9..14 (rejected drafts), then rows 9..12: slots
+        # 9..12 are overwritten and 13, 14 must stay masked
+        cache = Cache(model.config, 2, 32).mtp
+        head_outputs(model, hidden[:, :9], pos[:, :9], 3, cache)
+        head_outputs(model, torch.randn(2, 6, model.config.hidden_size), torch.arange(9, 15).expand(2, 6), 3, cache)
+        cached = head_outputs(model, hidden[:, 9:], pos[:, 9:], 3, cache)
+    assert len(cache) == 3 and cached.shape == (2, 4, 3, model.config.hidden_size)
+    torch.testing.assert_close(cached, full[:, 9:], rtol=1e-5, atol=1e-5)

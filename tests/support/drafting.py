@@ -26,12 +26,13 @@ CONFIGS = {
 
 
 def make_drafting(model, noise: float = 0.17, seed: int = 0, never: list[int] = ()):
-    """In place, on any model with an untied lm_head and an MTP module: embeddings of std 1 dominate the residual
-    stream and lm_head row v is the embedding of a random predecessor of v, so the trunk is close to a bigram
-    model that walks a random permutation; the MTP's fc reads the embedding half, so its draft for token i+2 is
-    the walk's successor of token i+1. The trunk's other weights (a vision tower's too) are random with std
-    `noise`, which sets how often the trunk departs from the walk, i.e. how many drafts are rejected. Tokens in
-    `never` get a zero lm_head row, so greedy decoding never emits them (e.g. image placeholders)."""
+    """In place, on any model with an untied lm_head (and an MTP module, or parallel heads left random):
+    embeddings of std 1 dominate the residual stream and lm_head row v is the embedding of a random predecessor
+    of v, so the trunk is close to a bigram model that walks a random permutation; the MTP's fc reads the
+    embedding half, so its draft for token i+2 is the walk's successor of token i+1. The trunk's other weights
+    (a vision tower's too) are random with std `noise`, which sets how often the trunk departs from the walk,
+    i.e. how many drafts are rejected. Tokens in `never` get a zero lm_head row, so greedy decoding never emits
+    them (e.g. image placeholders)."""
     torch.manual_seed(seed)
     h, V = model.config.hidden_size, model.config.vocab_size
     with torch.no_grad():
@@ -41,7 +42,8 @@ def make_drafting(model, noise: float = 0.17, seed: int = 0, never: list[int] = 
         E = model.model.embed_tokens.weight.normal_(0.0, 1.0)
         model.lm_head.weight.copy_(E[torch.randperm(V).argsort()] / h**0.5)
         model.lm_head.weight[list(never)] = 0
-        model.mtp.fc.weight.add_(torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1))
+        if model.mtp is not None:
+            model.mtp.fc.weight.add_(torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1))
     return model.eval()
 
 
@@ -52,3 +54,27 @@ def drafting_model(family: str, mtp_layers: int = 1, noise: float = 0.17, seed: 
     """A tiny random model (vocab 32) whose MTP head drafts well but not perfectly (see `make_drafting`)."""
     torch.manual_seed(seed)
     return make_drafting(mtpkit.build_model(dict(CONFIGS[family], mtp_num_hidden_layers=mtp_layers)), noise, seed)
+
+
+def parallel_drafting_model(family: str, heads: int = 3, noise: float = 0.14, seed: int = 0):
+    """A tiny model (vocab 32) with `heads` parallel heads that draft well but not perfectly: the trunk of
+    `make_drafting`, and heads trained for 60 Adam steps (MTP-only, about a second) on the trunk's own greedy
+    continuations of 32 random prompts, from its stored hidden states. Head j must learn the walk's (j+1)-th
+    successor; `noise` sets how often the trunk departs from the walk, i.e. how many drafts are rejected."""
+    from mtpkit.train.loss import LossConfig, freeze_trunk, shift_labels
+    from mtpkit.train.parallel_heads_loss import parallel_heads_loss
+
+    torch.manual_seed(seed)
+    raw = dict(CONFIGS[family], mtp_num_hidden_layers=0, mtp_parallel_heads=heads)
+    model = freeze_trunk(make_drafting(mtpkit.build_model(raw), noise, seed))
+    prompts = torch.randint(0, model.config.vocab_size, (32, 4), generator=torch.Generator().manual_seed(seed))
+    ids = torch.cat([prompts, torch.tensor(mtpkit.generate(model, prompts, max_new_tokens=16).tokens)], dim=1)
+    with torch.no_grad():
+        batch = {"input_ids": ids, "labels": shift_labels(ids), "hidden": model(ids, return_logits=False).hidden}
+    opt = torch.optim.Adam(model.mtp_heads.parameters(), lr=1e-2)
+    for _ in range(60):
+        parallel_heads_loss(model, batch, LossConfig(mtp_only=True, mtp_weights=[1.0] * heads), with_main=False,
+                            backward=True)
+        opt.step()
+        opt.zero_grad()
+    return model.eval()

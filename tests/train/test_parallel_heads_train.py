@@ -3,6 +3,7 @@ writes them in mtpkit's layout (model directory and --mtp-only head file) with t
 MTP-only run on the exported model trains the heads alone."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,3 +75,22 @@ def test_config_errors(tmp_path, mtp, message):
     raw = {"model": {"config": dict(TINY_MODEL)}, "data": {"paths": ["x"], "seq_len": 32}, "mtp": mtp}
     with pytest.raises(ConfigKeyError, match=message):
         config_from_dict(raw)
+
+
+def test_the_shakespeare_comparison_recipes_differ_only_in_the_head():
+    from mtpkit.train.config import load_config
+    from mtpkit.train.trainer import build_train_model
+
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    seq, par = (load_config(configs / f"{name}.toml") for name in ("shakespeare_qwen35_tiny",
+                                                                   "shakespeare_qwen35_tiny_parallel"))
+    a, b = seq.to_dict(), par.to_dict()
+    width = b["model"]["config"].pop("mtp_parallel_intermediate_size")
+    assert a["mtp"] == dict(b["mtp"], kind="sequential") and a["model"] == b["model"]
+    assert {k: v for k, v in a["train"].items() if k != "run_dir"} == \
+        {k: v for k, v in b["train"].items() if k != "run_dir"}
+    assert all(a[s] == b[s] for s in ("data", "optim", "checkpoint", "parallel", "log"))
+    mtp, heads = build_train_model(seq), build_train_model(par)
+    n_mtp = sum(p.numel() for n, p in mtp.named_parameters() if n.startswith("mtp."))
+    n_heads = sum(p.numel() for n, p in heads.named_parameters() if n.startswith("mtp_heads."))
+    assert (n_mtp, n_heads, width) == (459776, 459648, 427)

@@ -27,6 +27,13 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _default_file_mode() -> int:
+    """What open() would give a new file: 0666 less the process umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def check_target(out: Path, overwrite: bool, *, is_file: bool) -> None:
     """Refuse, before any work is done, to write over existing files without `overwrite`."""
     if is_file and out.is_dir():
@@ -50,6 +57,7 @@ def write_file(path, fill: Callable[[Path], None], *, overwrite: bool = False) -
     tmp = Path(name)
     try:
         fill(tmp)
+        os.chmod(tmp, _default_file_mode())  # mkstemp makes 0600; the result should read like any new file
         fsync(tmp)
         os.replace(tmp, path)
     finally:

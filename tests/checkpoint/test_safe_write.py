@@ -105,6 +105,10 @@ def test_head_file_write_is_refused_then_overwritten(tmp_path):
     save_mtp_head(tiny_model(1, mtp=1), path, dtype=None, overwrite=True)
     assert path.read_bytes() != first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["head.safetensors"]
+    # readable like any new file (the temporary file mkstemp made was 0600)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
 
 
 def test_index_must_have_a_weight_map_inside_the_directory(tmp_path):

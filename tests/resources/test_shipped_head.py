@@ -1,7 +1,7 @@
 """The MTP head shipped for SmolLM2-135M-Instruct is really trained: on held-back text (the model's own greedy
-continuations of prompts that were not in its training data: everyday chat, prose, lists and code) its
-teacher-forced top-1 accuracy for token i+2 is >= 0.33 (0.395 measured), where a random head, or the right head
-with the fc halves swapped, scores below 0.2."""
+continuations of generated prompts that were not in its training data: everyday chat, prose, lists and code) its
+teacher-forced top-1 accuracy for token i+2 is >= 0.40 (the previous head scored 0.29 here), where a random head,
+or the right head with the fc halves swapped, scores below 0.2."""
 
 import pytest
 import torch
@@ -38,7 +38,9 @@ def accuracy_i2(model, samples) -> float:
     with torch.no_grad():
         for prompt, seq in samples:
             ids = torch.tensor([seq])
-            pred = model(ids, mtp=True).mtp_logits[0][0].argmax(-1)  # [T-1]: row i -> token i+2
+            logits = model(ids, mtp=True).mtp_logits[0][0]  # [T-1, V]: row i -> token i+2
+            vocab = model.mtp.draft_vocab  # the head drafts over the ids it was trained on, as generate() does
+            pred = logits.argmax(-1) if vocab is None else vocab[logits[:, vocab].argmax(-1)]
             rows = range(len(prompt) - 1, len(seq) - 2)  # targets inside the continuation
             hits += sum(int(pred[i] == seq[i + 2]) for i in rows)
             total += len(rows)
@@ -50,7 +52,7 @@ def test_shipped_head_is_trained(held_back):
     load_mtp_head(model, resource(DEFAULT_HEAD))
     assert model.config.mtp_num_hidden_layers == 1
     acc = accuracy_i2(model, samples)
-    assert acc >= 0.33, acc
+    assert acc >= 0.40, acc
 
 
 def test_the_check_has_power(held_back):

@@ -58,14 +58,15 @@ class MatmulRouter:
         self.timings: dict[tuple, dict[tuple[str, int], float]] = {}  # key -> candidate -> fastest ms
 
     @staticmethod
-    def key(rows: int, weight: torch.Tensor) -> tuple:
-        return torch.get_num_threads(), rows, weight.dtype, tuple(weight.shape)
+    def key(rows: int, dtype: torch.dtype, shape) -> tuple:
+        """What a choice depends on: threads, row count, dtype and weight shape."""
+        return torch.get_num_threads(), rows, dtype, tuple(shape)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if rows > MAX_ROWS or x.device.type != "cpu" or x.dtype != weight.dtype or torch.is_grad_enabled():
             return F.linear(x, weight, bias)
-        key = self.key(rows, weight)
+        key = self.key(rows, weight.dtype, weight.shape)
         if self.force is None and key not in self.choice:
             self.calibrate(rows, weight)
         how = self.force or self.choice[key]
@@ -96,7 +97,7 @@ class MatmulRouter:
                     for shape, s in total.items():
                         samples[shape][c].append(s)
         for shape, per in samples.items():
-            key = (torch.get_num_threads(), rows, weight.dtype, shape)
+            key = self.key(rows, weight.dtype, shape)
             self.timings[key] = {c: 1e3 * min(s) for c, s in per.items()}  # min: other load only adds
             self.choice[key] = min(self.timings[key], key=self.timings[key].get)
 

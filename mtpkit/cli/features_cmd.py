@@ -15,10 +15,11 @@ def add_parser(sub) -> None:
     p.add_argument("--topk", type=int, default=0, help="also store the top-k next-token log-probabilities "
                                                        "(needed by mtp.head_loss = 'soft'); 0: none")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="storage of the hidden states")
-    p.add_argument("--compute", choices=["bfloat16", "autocast", "float32"], default="bfloat16",
-                   help="trunk precision: bf16 weights (default, as mtpkit distill; SmolLM2: hidden within 1.3%% of "
-                        "fp32, same top-1 at 96.7%% of tokens), bf16 matmuls on fp32 weights (0.8%%, 98.9%%, about "
-                        "1.4x slower), or fp32")
+    p.add_argument("--compute", choices=["auto", "bfloat16", "autocast", "float32"], default="auto",
+                   help="trunk precision: bf16 weights (SmolLM2: hidden within 1.3%% of fp32, same top-1 at 96.7%% "
+                        "of tokens), bf16 matmuls on fp32 weights (0.8%%, 98.9%%, about 1.4x slower), or fp32; "
+                        "auto: bfloat16 where a measured matmul of the model's shape runs faster in bf16, else "
+                        "float32 (use the dtype mtpkit distill chose)")
     p.add_argument("--batch-tokens", type=int, default=8192, help="tokens per trunk forward (padded)")
     p.add_argument("--row-tokens", type=int, default=256, help="records shorter than this share a row (packed whole, "
                                                                "segment ids apart); longer ones get a row each")
@@ -27,13 +28,19 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from ..assets import default_gguf_path
     from ..checkpoint.hf import load_model
+    from ..kernels.compute_dtype import describe, resolve
     from ..tokenizer import load_tokenizer
     from ..train.features import build_features
 
     path = Path(args.model) if args.model else default_gguf_path()
     model = load_model(path, mtp=False).eval()
+    compute = args.compute
+    if compute == "auto":
+        compute = str(resolve("auto", "cpu", model.config)).removeprefix("torch.")
+        print(f"compute: {compute} (measured: "
+              f"{describe('cpu', model.config.hidden_size, model.config.intermediate_size)})")
     info = build_features(model, load_tokenizer(path), args.records, args.out, topk=args.topk, hidden_dtype=args.dtype,
-                          compute=args.compute, batch_tokens=args.batch_tokens, row_tokens=args.row_tokens)
+                          compute=compute, batch_tokens=args.batch_tokens, row_tokens=args.row_tokens)
     print(f"{info['records']} records; {info['tokens']} tokens stored by this run in {info['seconds']:.0f} s "
           f"({info['tokens_per_second']:.0f} tokens/s) -> {args.out}")
     return 0

@@ -29,6 +29,7 @@ import argparse
 import pathlib
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -38,6 +39,7 @@ from ..decode.cache import Cache
 from ..decode.generate import generate
 from ..decode.matmul_routing import MatmulRouter, candidates, router_for
 from ..decode.sampling import SamplingParams
+from ..decode.state import DecodeState
 from ..kernels.linear import routed_linears
 from ..models.parallel_heads import head_outputs
 
@@ -109,7 +111,11 @@ def step_costs(model, ks, repeats: int, context: int, draft_vocab: int, compare_
         greedy = SamplingParams()
         heads = {"full": spec.DraftHead(model, greedy),
                  "subset": spec.DraftHead(model, greedy, torch.arange(draft_vocab))}
-        rows, start, delta = [], torch.tensor([context]), torch.zeros(1, dtype=torch.long)
+        rows, delta = [], torch.zeros(1, dtype=torch.long)
+        # the MTP runs over the rows verified from slot `context` on, then drafts from the one after it
+        verified = DecodeState(cache=cache, last=ids[:, context], slot=torch.tensor([context]), slot_host=[context],
+                               rope_delta=delta, draft_hidden=None)
+        after = replace(verified, last=ids[:, context + 1], slot=verified.slot + 1, slot_host=[context + 1])
         for k in ks:
             sl = slice(context, context + k + 1)
 
@@ -121,11 +127,10 @@ def step_costs(model, ks, repeats: int, context: int, draft_vocab: int, compare_
                 # what a step adds besides verification: the MTP over the k+1 verified rows, then k-1 chained
                 # steps and k draft projections (parallel heads: k head layers over those rows, k projections)
                 if model.mtp_heads is not None:
-                    m = head_outputs(model, hidden, pos[:, sl], k, cache.mtp, pos[:, sl], context + k + 1)
-                    return blockwise.draft(m[:, 0], head, None)
-                m = spec.mtp_extend(model, cache, hidden, ids[:, sl.start + 1 : sl.stop + 1], start, delta,
-                                    context)[:, 0]
-                spec.draft(model, cache, m, start + 1, delta, context + 1, k, head, None)
+                    outputs = head_outputs(model, hidden, pos[:, sl], k, cache.mtp, pos[:, sl], context + k + 1)
+                    return blockwise.draft(outputs[:, 0], head, None)
+                mtp_out = spec.mtp_extend(model, verified, hidden, ids[:, sl.start + 1 : sl.stop + 1])
+                spec.draft(model, replace(after, draft_hidden=mtp_out[:, 0]), k=k, head=head, generator=None)
 
             row = {"k": k, "decode_plain": one_plain, "decode": one, "best_single": single[best],
                    "best_single_name": best, "verify": median_ms(verify, repeats)}

@@ -18,28 +18,31 @@ import torch
 from ..models.parallel_heads import head_outputs
 from . import speculative as spec
 from .sampling import SamplingParams
+from .state import DecodeState, StepResult
 
 
-def draft(m: torch.Tensor, head: spec.DraftHead, generator):
-    """m [B, k, H]: heads 1..k at the last verified position -> drafts [B, K], q [B, K, V] (None when greedy) and
-    each row's number of drafts count [B] (K = max(count)). With gating a row proposes its drafts up to its first
-    unconfident one, as the sequential path does; without, count = K = k."""
-    B, k, H = m.shape
-    ids, q, sure = head(m.reshape(B * k, H), generator)  # one lm_head product for every head
+def draft(hidden: torch.Tensor, head: spec.DraftHead, generator) -> spec.Drafts:
+    """hidden [B, k, H]: heads 1..k's outputs at the last verified position -> every head's draft at once. With
+    gating a row proposes its drafts up to its first unconfident one, as the sequential path does; without,
+    count = K = k."""
+    B, k, H = hidden.shape
+    ids, q, sure = head(hidden.reshape(B * k, H), generator)  # one lm_head product for every head
     drafts, q = ids.view(B, k), None if q is None else q.view(B, k, -1)
     if sure is None:
-        return drafts, q, torch.full((B,), k, dtype=torch.long, device=m.device)
+        return spec.Drafts(drafts, q, torch.full((B,), k, dtype=torch.long, device=hidden.device))
     count = 1 + sure.view(B, k)[:, :-1].long().cumprod(dim=1).sum(dim=1)
     K = int(count.max())
-    return drafts[:, :K], None if q is None else q[:, :K], count
+    return spec.Drafts(drafts[:, :K], None if q is None else q[:, :K], count)
 
 
-def step(model, cache, last, pos, delta, m, top: int, k: int, head: spec.DraftHead, params: SamplingParams,
-         generator):
-    """One blockwise step for every row, with `speculative.step`'s arguments and returns; m [B, k, H]: heads 1..k
-    at slot pos-1 (the last verified token's row), and the next m at the last accepted row."""
-    drafts, q, count = draft(m, head, generator)
-    n, tokens, hidden = spec.verify(model, cache, last, pos, delta, top, drafts, q, count, params, generator)
-    slots = pos[:, None] + torch.arange(hidden.shape[1], device=pos.device)
-    ext = head_outputs(model, hidden, slots + delta[:, None], k, cache.mtp, slots, kv_len=top + hidden.shape[1])
-    return n, count, tokens, ext[torch.arange(n.shape[0], device=n.device), n]  # [B, k, H]
+def step(model, state: DecodeState, *, k: int, head: spec.DraftHead, params: SamplingParams,
+         generator) -> StepResult:
+    """One blockwise step for every row, as `speculative.step`; `state.draft_hidden` [B, k, H] holds heads 1..k at
+    slot - 1 (the last verified token's row), and the result's at the last accepted row."""
+    drafts = draft(state.draft_hidden, head, generator)
+    accepted, tokens, hidden = spec.verify(model, state, drafts, params=params, generator=generator)
+    slots = state.slots(hidden.shape[1])
+    outputs = head_outputs(model, hidden, state.rope_positions(slots), k, state.cache.mtp, slots,
+                           kv_len=state.top_slot + hidden.shape[1])  # [B, K+1, k, H]
+    rows = torch.arange(state.batch, device=accepted.device)
+    return StepResult(accepted, drafts.count, tokens, outputs[rows, accepted])

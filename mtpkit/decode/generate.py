@@ -1,10 +1,11 @@
 """`generate`: batched plain or MTP self-speculative decoding over a preallocated cache (gpt-fast's design).
 
 Rows may have prompts of different lengths: each is prefilled through a row view of the cache and then decodes
-at its own positions. A row that stops (EOS or max_new_tokens) leaves the batch: the cache and the per-row
-state are index-selected down to the live rows, so finished rows cost nothing afterwards (one cache copy per
-batch shrink, at most B-1 of them). The loop reads the device once per step, to learn what each row emitted
-(gated drafting adds one read per draft step, to skip draft steps no row needs).
+at its own positions. A row that stops (EOS or max_new_tokens) leaves the batch: the decode state (the cache
+and every per-row tensor, `state.DecodeState`) is index-selected down to the live rows, so finished rows cost
+nothing afterwards (one cache copy per batch shrink, at most B-1 of them). The loop reads the device once per
+step, to learn what each row emitted (gated drafting adds one read per draft step, to skip draft steps no row
+needs).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .cache import Cache
 from ..kernels.linear import routed_linears
 from .matmul_routing import router_for
 from .sampling import SamplingParams, select
+from .state import DecodeState, StepResult
 
 
 @dataclass
@@ -126,13 +128,13 @@ class _Bookkeeper:
         }
 
 
-def _prefill(model, cache, rows, vision, params, generator, k: int):
+def _prefill(model, cache, rows, vision, params, generator, k: int) -> DecodeState:
     """Prefill runs of equal-length text rows in one forward each, and each image prompt on its own. Returns the
-    first sampled token [B], the rope deltas [B] (decoding continues at position slot + delta; 0 for text) and,
-    when drafting k > 0 tokens, the drafting state at each row's last prompt position (its cache filled over the
-    prompt): the MTP's output [B, H], or parallel heads 1..k's [B, k, H]."""
+    decode state after the prompts: each row's first sampled token, its rope delta (decoding continues at
+    position slot + delta; 0 for text) and, when drafting k > 0 tokens, the drafting state at its last prompt
+    position (its cache filled over the prompt)."""
     device = model.output_weight.device
-    firsts, deltas, ms, start = [], [], [], 0
+    firsts, deltas, draft_hiddens, start = [], [], [], 0
     runs = itertools.groupby(range(len(rows)), key=lambda i: (len(rows[i]), i if vision[i] else -1))
     for (length, _), group in runs:
         group = list(group)
@@ -149,12 +151,16 @@ def _prefill(model, cache, rows, vision, params, generator, k: int):
         delta = inputs.rope_deltas
         deltas.append(torch.zeros_like(first) if delta is None else delta[:, 0])
         if k and model.mtp_heads is not None:
-            ms.append(head_outputs(model, hidden, inputs.positions, k, view.mtp, slots, kv_len=length)[:, -1])
+            heads = head_outputs(model, hidden, inputs.positions, k, view.mtp, slots, kv_len=length)  # [b, T, k, H]
+            draft_hiddens.append(heads[:, -1])
         elif k:  # row i: trunk hidden at i and the input after it (a vision embedding at an image token)
             nxt = torch.cat([inputs.embeds[:, 1:], model.embed(first)[:, None]], dim=1)
-            m = model.mtp_step(None, hidden, inputs.positions, 1, view, slots, kv_len=length, embeds=nxt)
-            ms.append(m[:, -1])
-    return torch.cat(firsts), torch.cat(deltas), (torch.cat(ms) if k else None)
+            mtp_out = model.mtp_step(None, hidden, inputs.positions, 1, view, slots, kv_len=length, embeds=nxt)
+            draft_hiddens.append(mtp_out[:, -1])
+    lengths = list(map(len, rows))
+    return DecodeState(cache=cache, last=torch.cat(firsts), slot=torch.tensor(lengths, device=device),
+                       slot_host=lengths, rope_delta=torch.cat(deltas),
+                       draft_hidden=torch.cat(draft_hiddens) if k else None)
 
 
 @torch.inference_mode()
@@ -220,34 +226,33 @@ def generate(
         return _decode(model, rows, vision, book, params, generator, head)
 
 
+def _plain_step(model, state: DecodeState, params: SamplingParams, generator) -> StepResult:
+    """One trunk forward over each row's last token: one new token per row, nothing drafted."""
+    slots = state.slots(1)
+    logits = model(state.last[:, None], positions=state.rope_positions(slots), cache=state.cache,
+                   cache_positions=slots, kv_len=state.top_slot + 1).logits[:, 0]
+    none = torch.zeros_like(state.last)
+    return StepResult(accepted=none, drafted=none, tokens=select(logits, params, generator)[:, None],
+                      draft_hidden=None)
+
+
 def _decode(model, rows, vision, book: _Bookkeeper, params, generator, head) -> GenerateResult:
     start = time.perf_counter()
     k, weight = book.k, model.output_weight
     cache = Cache(model.config, len(rows), max(map(len, rows)) + book.max_new + k + 1, weight.dtype, weight.device)
-    last, delta, m = _prefill(model, cache, rows, vision, params, generator, k)
-    pos_host = list(map(len, rows))  # cache slots also kept on the host, so no forward reads them back
-    pos = torch.tensor(pos_host, device=weight.device)  # [B]: cache slot of `last`, not yet in the cache
-    keep = book.emit([[t] for t in last.tolist()])
+    state = _prefill(model, cache, rows, vision, params, generator, k)
+    keep = book.emit([[t] for t in state.last.tolist()])
     while keep:
-        if len(keep) < last.shape[0]:  # some rows stopped: drop them from the batch
-            idx = torch.tensor(keep, device=weight.device)
-            cache, last, pos, delta = cache.rows(idx), last[idx], pos[idx], delta[idx]
-            m = None if m is None else m[idx]
-            pos_host = [pos_host[b] for b in keep]
-        top = max(pos_host)
+        if len(keep) < state.batch:  # some rows stopped: drop them from the batch
+            state = state.select(keep)
         if k == 0:
-            slot = pos[:, None]
-            logits = model(last[:, None], positions=slot + delta[:, None], cache=cache, cache_positions=slot,
-                           kv_len=top + 1).logits[:, 0]
-            n = drafted = torch.zeros_like(last)
-            tokens = select(logits, params, generator)[:, None]
+            result = _plain_step(model, state, params, generator)
         else:
-            stepper = blockwise.step if model.mtp_heads is not None else spec.step
-            n, drafted, tokens, m = stepper(model, cache, last, pos, delta, m, top, k, head, params, generator)
+            step = blockwise.step if model.mtp_heads is not None else spec.step
+            result = step(model, state, k=k, head=head, params=params, generator=generator)
         book.forward_passes += 1
-        host = torch.cat([n[:, None], drafted[:, None], tokens], dim=1).tolist()  # the one device read of the step
+        # the one device read of the step
+        host = torch.cat([result.accepted[:, None], result.drafted[:, None], result.tokens], dim=1).tolist()
         keep = book.emit([h[2 : h[0] + 3] for h in host], [(h[0], h[1]) for h in host] if k else None)
-        last = tokens.gather(1, n[:, None])[:, 0]
-        pos = pos + n + 1
-        pos_host = [p + h[0] + 1 for p, h in zip(pos_host, host)]
+        state = state.advanced(result, [h[0] for h in host])
     return GenerateResult(book.tokens, book.stats(time.perf_counter() - start), book.accept_lengths)

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from ..kernels.linear import linear
 from .sampling import SamplingParams, probs, sample
+from .state import DecodeState, StepResult
 
 
 def frequent_tokens(token_ids: Iterable, n: int) -> torch.Tensor:
@@ -84,31 +86,36 @@ class DraftHead:
         return self.vocab[idx], full, sure
 
 
-def draft(model, cache, m, pos, delta, top: int, k: int, head: DraftHead, generator):
-    """Up to k draft tokens per row. m [B, H]: the MTP's depth-1 output at slot pos-1 (it predicts the token at
-    pos+1, the one after the last sampled token, which sits at pos); delta [B]: rope position - slot (MRoPE
-    after images, else 0); top = max(pos) on the host. Returns drafts [B, K], q [B, K, V] or None, and each
-    row's number of drafts count [B] (K = max(count) <= k). With gating a row stops after its first draft that
-    is not confident; once every row has stopped the remaining draft steps are skipped (one device read per
-    step). Without gating count = K = k."""
+class Drafts(NamedTuple):
+    tokens: torch.Tensor  # [B, K] (K = max(count) <= k)
+    q: torch.Tensor | None  # [B, K, V] the draft distributions over the full vocabulary; None when greedy
+    count: torch.Tensor  # [B] drafts each row proposed: its first count[b] (the rest of a gated batch's are padding)
+
+
+def draft(model, state: DecodeState, *, k: int, head: DraftHead, generator) -> Drafts:
+    """Up to k draft tokens per row, chaining the MTP from `state.draft_hidden` [B, H], its depth-1 output at
+    slot - 1 (which predicts the token after `state.last`). With gating a row stops after its first draft that is
+    not confident; once every row has stopped the remaining draft steps are skipped (one device read per step).
+    Without gating count = K = k."""
+    hidden = state.draft_hidden
     tokens, qs = [], []
-    going = torch.ones(m.shape[0], dtype=torch.bool, device=m.device)  # row drafts at this depth
-    count = torch.zeros(m.shape[0], dtype=torch.long, device=m.device)
-    for j in range(1, k + 1):
-        if j > 1:
+    going = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)  # row drafts at this depth
+    count = torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device)
+    for depth in range(1, k + 1):
+        if depth > 1:
             if head.min_prob and not bool(going.any()):
                 break
             # chain: the previous draft and the MTP's own post-norm output, one position further
-            p = (pos + j - 2)[:, None]
-            m = model.mtp_step(tokens[-1][:, None], m[:, None], p + delta[:, None], j, cache, p,
-                               kv_len=top + j - 1)[:, 0]
-        d, q, sure = head(m, generator)
-        tokens.append(d)
+            slots = state.slots(1, offset=depth - 2)
+            hidden = model.mtp_step(tokens[-1][:, None], hidden[:, None], state.rope_positions(slots), depth,
+                                    state.cache, slots, kv_len=state.top_slot + depth - 1)[:, 0]
+        token, q, sure = head(hidden, generator)
+        tokens.append(token)
         qs.append(q)
         count += going
         if sure is not None:
             going &= sure
-    return torch.stack(tokens, 1), (None if qs[0] is None else torch.stack(qs, 1)), count
+    return Drafts(torch.stack(tokens, 1), None if qs[0] is None else torch.stack(qs, 1), count)
 
 
 def proposed(count: torch.Tensor, K: int) -> torch.Tensor:
@@ -118,12 +125,12 @@ def proposed(count: torch.Tensor, K: int) -> torch.Tensor:
 
 
 def accept_greedy(drafts: torch.Tensor, logits: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """drafts [B, K] (row b proposed the first count[b]), trunk logits [B, K+1, V] -> accepted count n [B] and
-    tokens [B, K+1], of which the first n+1 are emitted: the accepted drafts (equal to the trunk's argmax) and
-    the trunk's own next token."""
+    """drafts [B, K] (row b proposed the first count[b]), trunk logits [B, K+1, V] -> accepted counts [B] and
+    tokens [B, K+1], of which the first accepted+1 are emitted: the accepted drafts (equal to the trunk's argmax)
+    and the trunk's own next token."""
     target = logits.argmax(dim=-1)
-    n = ((drafts == target[:, :-1]) & proposed(count, drafts.shape[1])).long().cumprod(dim=1).sum(dim=1)
-    return n, target
+    accepted = ((drafts == target[:, :-1]) & proposed(count, drafts.shape[1])).long().cumprod(dim=1).sum(dim=1)
+    return accepted, target
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -136,58 +143,55 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def accept_sampling(drafts, q, p, generator, count) -> tuple[torch.Tensor, torch.Tensor]:
     """drafts [B, K] (row b proposed the first count[b]), draft distributions q [B, K, V], trunk distributions
-    p [B, K+1, V] -> n [B], tokens [B, K+1] (first n+1 emitted): drafts accepted with probability min(1, p/q),
-    then one draw from the residual after the first rejection, or from p after the row's last draft (the bonus
-    token)."""
+    p [B, K+1, V] -> accepted counts [B], tokens [B, K+1] (first accepted+1 emitted): drafts accepted with
+    probability min(1, p/q), then one draw from the residual after the first rejection, or from p after the row's
+    last draft (the bonus token)."""
     B, K = drafts.shape
     rows = torch.arange(B, device=drafts.device)
     p_d = p[:, :K].gather(2, drafts[..., None])[..., 0]
     q_d = q.gather(2, drafts[..., None])[..., 0]  # > 0: each draft was drawn from q
     u = torch.rand(B, K, generator=generator, device=p.device)
-    n = ((u * q_d < p_d) & proposed(count, K)).long().cumprod(dim=1).sum(dim=1)
+    accepted = ((u * q_d < p_d) & proposed(count, K)).long().cumprod(dim=1).sum(dim=1)
     # no draft after a row's last one: q = 0 there, so the residual is p
-    q_next = F.pad(q, (0, 0, 0, 1))[rows, n] * (n < count)[:, None]
-    fix = sample(residual(p[rows, n], q_next), generator)
-    tokens = F.pad(drafts, (0, 1)).scatter(1, n[:, None], fix[:, None])
-    return n, tokens
+    q_next = F.pad(q, (0, 0, 0, 1))[rows, accepted] * (accepted < count)[:, None]
+    fix = sample(residual(p[rows, accepted], q_next), generator)
+    tokens = F.pad(drafts, (0, 1)).scatter(1, accepted[:, None], fix[:, None])
+    return accepted, tokens
 
 
-def mtp_extend(model, cache, hidden, tokens, pos, delta, top: int):
-    """Run the MTP (depth 1) over verified rows: hidden [B, T, H] from the trunk at slots pos..pos+T-1 and the
+def mtp_extend(model, state: DecodeState, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Run the MTP (depth 1) over verified rows: hidden [B, T, H] from the trunk at slots slot..slot+T-1 and the
     tokens that follow them [B, T]. Writes the MTP cache there; returns its outputs [B, T, H]. Rows past a
     row's accepted count write stale slots that later steps overwrite, as in the trunk's KV cache."""
-    T = tokens.shape[1]
-    slots = pos[:, None] + torch.arange(T, device=pos.device)
-    return model.mtp_step(tokens, hidden, slots + delta[:, None], 1, cache, slots, kv_len=top + T)
+    slots = state.slots(tokens.shape[1])
+    return model.mtp_step(tokens, hidden, state.rope_positions(slots), 1, state.cache, slots,
+                          kv_len=state.top_slot + tokens.shape[1])
 
 
-def verify(model, cache, last, pos, delta, top: int, drafts, q, count, params: SamplingParams, generator):
-    """Verify [last, drafts] in one trunk forward at slots pos..pos+K, accept (greedy or speculative sampling) and
-    roll the GDN state back to the last accepted token. last, pos [B]: the last sampled token and its cache slot
-    (not yet in the cache); delta [B]: its rope position - slot; top = max(pos); drafts [B, K] with their draft
-    distributions q [B, K, V] (None when greedy) and per-row counts [B]. Returns accepted counts n [B], tokens
-    [B, K+1] (first n+1 emitted) and the trunk's hidden over the verified rows [B, K+1, H]. A gated batch
-    verifies K+1 positions for every row (one forward; shorter rows' padding is never accepted)."""
-    K = drafts.shape[1]
-    slots = pos[:, None] + torch.arange(K + 1, device=pos.device)
-    with cache.verifying():
-        out = model(torch.cat([last[:, None], drafts], 1), positions=slots + delta[:, None], cache=cache,
-                    cache_positions=slots, kv_len=top + K + 1)
+def verify(model, state: DecodeState, drafts: Drafts, *, params: SamplingParams, generator):
+    """Verify [last, drafts] in one trunk forward at slots slot..slot+K, accept (greedy or speculative sampling)
+    and roll the GDN state back to the last accepted token. Returns accepted counts [B], tokens [B, K+1] (first
+    accepted+1 emitted) and the trunk's hidden over the verified rows [B, K+1, H]. A gated batch verifies K+1
+    positions for every row (one forward; shorter rows' padding is never accepted)."""
+    K = drafts.tokens.shape[1]
+    slots = state.slots(K + 1)
+    with state.cache.verifying():
+        out = model(torch.cat([state.last[:, None], drafts.tokens], 1), positions=state.rope_positions(slots),
+                    cache=state.cache, cache_positions=slots, kv_len=state.top_slot + K + 1)
     if params.greedy:
-        n, tokens = accept_greedy(drafts, out.logits, count)
+        accepted, tokens = accept_greedy(drafts.tokens, out.logits, drafts.count)
     else:
-        n, tokens = accept_sampling(drafts, q, probs(out.logits, params), generator, count)
-    cache.commit(n + 1)  # GDN layers continue from the state after the last accepted token
-    return n, tokens, out.hidden
+        accepted, tokens = accept_sampling(drafts.tokens, drafts.q, probs(out.logits, params), generator, drafts.count)
+    state.cache.commit(accepted + 1)  # GDN layers continue from the state after the last accepted token
+    return accepted, tokens, out.hidden
 
 
-def step(model, cache, last, pos, delta, m, top: int, k: int, head: DraftHead, params: SamplingParams, generator):
+def step(model, state: DecodeState, *, k: int, head: DraftHead, params: SamplingParams, generator) -> StepResult:
     """One speculative step for every row: draft up to k tokens by chaining the MTP, `verify` them, and run the
-    MTP over the accepted rows. m [B, H]: the MTP's output at slot pos-1; the other arguments as in `verify`.
-    Returns accepted counts n [B], drafted counts [B], tokens [B, K+1] (first n+1 emitted; K = the longest
-    row's drafts) and the next m."""
-    drafts, q, count = draft(model, cache, m, pos, delta, top, k, head, generator)
-    n, tokens, hidden = verify(model, cache, last, pos, delta, top, drafts, q, count, params, generator)
-    # MTP row j: trunk hidden at pos+j and the token emitted after it; row n, the last one kept, drafts next
-    ext = mtp_extend(model, cache, hidden, tokens, pos, delta, top)
-    return n, count, tokens, ext[torch.arange(n.shape[0], device=n.device), n]
+    MTP over the verified rows; the row of the last token kept drafts next."""
+    drafts = draft(model, state, k=k, head=head, generator=generator)
+    accepted, tokens, hidden = verify(model, state, drafts, params=params, generator=generator)
+    # MTP row j: trunk hidden at slot+j and the token emitted after it
+    mtp_out = mtp_extend(model, state, hidden, tokens)
+    rows = torch.arange(state.batch, device=accepted.device)
+    return StepResult(accepted, drafts.count, tokens, mtp_out[rows, accepted])

@@ -42,9 +42,9 @@ def test_drafts_are_the_heads_predictions_on_the_accepted_tokens(monkeypatch):
     model = parallel_drafting_model("qwen3_5")
     seen = []
 
-    def recording_verify(model_, cache, last, pos, delta, top, drafts, *rest):
-        seen.append((pos.clone(), drafts.clone()))
-        return verify(model_, cache, last, pos, delta, top, drafts, *rest)
+    def recording_verify(model_, state, drafts, **named):
+        seen.append((state.slot.clone(), drafts.tokens.clone()))
+        return verify(model_, state, drafts, **named)
 
     verify = spec.verify
     monkeypatch.setattr(spec, "verify", recording_verify)

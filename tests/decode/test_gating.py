@@ -34,10 +34,10 @@ def recorded_steps(monkeypatch):
     """Every speculative step's (accepted n, drafted count, verified drafts K) per row, recorded."""
     seen = []
 
-    def recording_step(*args):
-        n, count, tokens, m = step(*args)
-        seen.append((n.clone(), count.clone(), tokens.shape[1] - 1))
-        return n, count, tokens, m
+    def recording_step(*args, **named):
+        result = step(*args, **named)
+        seen.append((result.accepted.clone(), result.drafted.clone(), result.tokens.shape[1] - 1))
+        return result
 
     step = spec.step
     monkeypatch.setattr(spec, "step", recording_step)

@@ -63,9 +63,9 @@ def test_drafting_after_an_image_prompt_equals_teacher_forced_mtp(vlm, monkeypat
     prompt = _prompts()[0]
     seen = []
 
-    def recording_draft(model, cache, m, pos, *rest):
-        seen.append((int(pos[0]), m[0].clone()))
-        return draft(model, cache, m, pos, *rest)
+    def recording_draft(model, state, **named):
+        seen.append((int(state.slot[0]), state.draft_hidden[0].clone()))
+        return draft(model, state, **named)
 
     draft = spec.draft
     monkeypatch.setattr(spec, "draft", recording_draft)

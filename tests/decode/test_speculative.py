@@ -81,10 +81,10 @@ def test_mtp_cache_follows_accepted_tokens(monkeypatch):
     model = drafting_model("qwen3_5")
     seen = []
 
-    def recording_draft(model_, cache, m, pos, *rest):
-        drafts, q, count = draft(model_, cache, m, pos, *rest)
-        seen.append((pos.clone(), drafts[:, 0].clone()))
-        return drafts, q, count
+    def recording_draft(model_, state, **named):
+        drafts = draft(model_, state, **named)
+        seen.append((state.slot.clone(), drafts.tokens[:, 0].clone()))
+        return drafts
 
     draft = spec.draft
     monkeypatch.setattr(spec, "draft", recording_draft)

@@ -50,6 +50,49 @@ class MTPSection:
     head_loss: str = "hard"
     draft_vocab: int = 0  # MTP CE over the N most frequent target ids of the training data (FR-Spec); 0: all
 
+    def __post_init__(self):
+        """The checks of this section alone, so that one built in code (the loss takes it as its config) is as
+        valid as one read from a file."""
+        if self.depth < 0:
+            raise ConfigKeyError(f"mtp.depth must be >= 0, not {self.depth}")
+        if self.only and self.depth == 0:
+            raise ConfigKeyError("mtp.only needs mtp.depth >= 1")
+        if self.detach_trunk and (self.only or self.depth == 0):
+            raise ConfigKeyError("mtp.detach_trunk needs mtp.depth >= 1 and mtp.only = false (mtp.only freezes the "
+                                 "trunk)")
+        if self.kind == "parallel" and self.layers not in (0, self.depth):
+            raise ConfigKeyError(f"mtp.layers = {self.layers}, but parallel heads are one layer each: leave "
+                                 f"mtp.layers = 0 (or {self.depth}, = mtp.depth)")
+        if self.kind == "parallel" and (self.depth == 0 or self.detach_trunk):
+            raise ConfigKeyError("mtp.kind = 'parallel' needs mtp.depth >= 1 (the number of heads) and "
+                                 "mtp.detach_trunk = false (the heads share the trunk's final norm)")
+        if self.mtp_lambda < 0:
+            raise ConfigKeyError(f"mtp.mtp_lambda must be >= 0, not {self.mtp_lambda}")
+        if self.weights is not None:
+            if len(self.weights) != self.depth:
+                raise ConfigKeyError(f"mtp.weights has {len(self.weights)} entries but mtp.depth is {self.depth}")
+            if self.weights and min(self.weights) < 0:
+                raise ConfigKeyError(f"mtp.weights must be >= 0, not {self.weights}")
+            if self.lambda_schedule is not None:
+                raise ConfigKeyError("mtp.weights replace mtp.mtp_lambda: set mtp.weights or mtp.lambda_schedule, "
+                                     "not both")
+        for name in ("lambda_schedule", "depth_curriculum"):
+            schedule = getattr(self, name)
+            if schedule is None:
+                continue
+            pairs = all(isinstance(x, list) and len(x) == 2 for x in schedule)
+            steps = [s for s, _ in schedule] if pairs else []
+            if not steps or steps[0] != 0 or any(a >= b for a, b in zip(steps, steps[1:])):
+                raise ConfigKeyError(f"mtp.{name} must be a list of [step, value] pairs with steps increasing from "
+                                     f"0, not {schedule!r}")
+        if self.depth_curriculum is not None and not all(1 <= n <= self.depth for _, n in self.depth_curriculum):
+            raise ConfigKeyError(f"mtp.depth_curriculum values must lie in 1..mtp.depth ({self.depth}), not "
+                                 f"{self.depth_curriculum}")
+        if self.ce_chunk_tokens < 1:
+            raise ConfigKeyError(f"mtp.ce_chunk_tokens must be >= 1, not {self.ce_chunk_tokens}")
+        if self.draft_vocab < 0:
+            raise ConfigKeyError(f"mtp.draft_vocab must be >= 0 (0: the full vocabulary), not {self.draft_vocab}")
+
 
 @dataclass
 class DataSection:
@@ -262,29 +305,11 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Tr
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Cross-field checks that no single type can express."""
+    """Cross-field checks that no single type can express (the [mtp] section checks its own fields when built)."""
     if cfg.model.path is None and cfg.model.config is None:
         raise ConfigKeyError("set model.path (HF directory or .gguf) or model.config (config.json dict/path)")
     if cfg.model.path is not None and cfg.model.config is not None:
         raise ConfigKeyError("set only one of model.path and model.config")
-    if cfg.mtp.depth < 0:
-        raise ConfigKeyError(f"mtp.depth must be >= 0, not {cfg.mtp.depth}")
-    if cfg.mtp.only and cfg.mtp.depth == 0:
-        raise ConfigKeyError("mtp.only needs mtp.depth >= 1")
-    if cfg.mtp.detach_trunk and (cfg.mtp.only or cfg.mtp.depth == 0):
-        raise ConfigKeyError("mtp.detach_trunk needs mtp.depth >= 1 and mtp.only = false (mtp.only freezes the trunk)")
-    if cfg.mtp.kind == "parallel" and cfg.mtp.layers not in (0, cfg.mtp.depth):
-        raise ConfigKeyError(f"mtp.layers = {cfg.mtp.layers}, but parallel heads are one layer each: leave mtp.layers "
-                             f"= 0 (or {cfg.mtp.depth}, = mtp.depth)")
-    if cfg.mtp.kind == "parallel" and (cfg.mtp.depth == 0 or cfg.mtp.detach_trunk):
-        raise ConfigKeyError("mtp.kind = 'parallel' needs mtp.depth >= 1 (the number of heads) and mtp.detach_trunk = "
-                             "false (the heads share the trunk's final norm)")
-    if cfg.mtp.weights is not None and len(cfg.mtp.weights) != cfg.mtp.depth:
-        raise ConfigKeyError(f"mtp.weights has {len(cfg.mtp.weights)} entries but mtp.depth is {cfg.mtp.depth}")
-    for name in ("lambda_schedule", "depth_curriculum"):
-        sched = getattr(cfg.mtp, name)
-        if sched is not None and not all(isinstance(x, list) and len(x) == 2 for x in sched):
-            raise ConfigKeyError(f"mtp.{name} must be a list of [step, value] pairs, not {sched!r}")
     if cfg.data.seq_len < 2:
         raise ConfigKeyError(f"data.seq_len must be >= 2, not {cfg.data.seq_len}")
     if cfg.mtp.depth and cfg.data.seq_len <= cfg.mtp.depth + 1:
@@ -307,8 +332,6 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.mtp.head_loss == "soft" and cfg.data.mode != "features":
         raise ConfigKeyError("mtp.head_loss = 'soft' needs the trunk's stored top-k: data.mode = 'features' with "
                              "features built by `mtpkit features --topk K`")
-    if cfg.mtp.draft_vocab < 0:
-        raise ConfigKeyError(f"mtp.draft_vocab must be >= 0 (0: the full vocabulary), not {cfg.mtp.draft_vocab}")
     if cfg.train.eval_every and not cfg.data.val_docs:
         raise ConfigKeyError("train.eval_every needs held-out documents: set data.val_docs")
     if cfg.log.every < 1:

@@ -35,11 +35,14 @@ def test_file_defaults_and_overrides(cfg_file):
     assert cfg.model.config["rope_parameters"] == {"rope_theta": 1e4}
     cfg = load_config(cfg_file, ["--train.steps=20", "--optim.lr=1e-3", "--mtp.weights=[0.51, 0.31]",
                                  "--data.shuffle=false", "--train.run_dir=runs/x", "optim.lr_mtp=2",
-                                 "--mtp.lambda_schedule=[[0, 0.3], [100, 0.1]]", '--model.tokenizer="a b"'])
+                                 '--model.tokenizer="a b"'])
     assert cfg.train.steps == 20 and cfg.optim.lr == 1e-3 and cfg.mtp.weights == [0.51, 0.31]
     assert cfg.data.shuffle is False and cfg.train.run_dir == "runs/x" and cfg.model.tokenizer == "a b"
     assert cfg.optim.lr_mtp == 2.0 and isinstance(cfg.optim.lr_mtp, float)  # ints are accepted as floats
-    assert cfg.mtp.lambda_schedule == [[0, 0.3], [100, 0.1]]
+    schedule = "--mtp.lambda_schedule=[[0, 0.3], [100, 0.1]]"
+    assert load_config(cfg_file, [schedule]).mtp.lambda_schedule == [[0, 0.3], [100, 0.1]]
+    with pytest.raises(ConfigKeyError, match="mtp.weights or mtp.lambda_schedule, not both"):
+        load_config(cfg_file, [schedule, "--mtp.weights=[0.51, 0.31]"])
 
 
 def test_unknown_key_in_file_names_it_and_lists_valid_keys(cfg_file):

@@ -6,6 +6,7 @@ Parameter names are the HF checkpoint names of the text layout (`model.embed_tok
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,7 @@ class ModelOutput:
     hidden: torch.Tensor  # [B, T, H], after the final norm (what lm_head and the MTP module see)
     mtp_logits: list[torch.Tensor] | None = None  # depth d: [B, T-d, V], row i predicts token i+1+d
     mtp_hidden: list[torch.Tensor] | None = None  # depth d: [B, T-d, H], after mtp.norm
+    positions: torch.Tensor | None = None  # [B, T] or MRoPE [3, B, T]: where the trunk ran (heads run after it)
 
 
 @dataclass
@@ -150,6 +152,8 @@ class CausalLM(nn.Module):
         deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
         kv_len: int | None = None,
         detach_trunk: bool = False,
+        trunk_grad: bool = True,
+        trunk_hidden: torch.Tensor | None = None,
     ) -> ModelOutput:
         """input_ids [B, T] (or inputs_embeds [B, T, H]); positions [B, T] or MRoPE [3, B, T]; segment_ids [B, T]
         for packed documents. `mtp=True` adds teacher-forced MTP outputs for depths 1..D (`mtp=n`: n chained
@@ -157,13 +161,37 @@ class CausalLM(nn.Module):
         returned, so a trainer can compute the loss in chunks. `deepstack` = (visual mask [B, T], list of
         [N_visual, H]): Qwen3-VL adds entry i to the visual positions after decoder layer i. With a cache,
         `kv_len` = max(cache_positions) + 1 (or more) saves computing it on the host. `detach_trunk=True`: the MTP
-        reads the embeddings, hidden states and lm_head detached, so its outputs send no gradient into the trunk."""
-        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        B, T, _ = x.shape
-        if positions is None:
+        reads the embeddings, hidden states and lm_head detached, so its outputs send no gradient into the trunk.
+        `trunk_grad=False` (MTP-only training): the trunk runs under torch.no_grad as a fixed feature extractor and
+        the MTP reads its outputs and lm_head detached; only the MTP builds a graph. `trunk_hidden` [B, T, H]: the
+        trunk's stored post-norm output (`mtpkit features`), used in place of running the decoder layers."""
+        with contextlib.nullcontext() if trunk_grad else torch.no_grad():
+            x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+            if positions is None:
+                if cache is not None:
+                    raise ValueError("decoding with a cache needs explicit positions")
+                positions = default_positions(x, segment_ids)
+            if trunk_hidden is None:
+                hidden = self._trunk(x, positions, segment_ids, cache, cache_positions, deepstack, kv_len)
+            else:
+                hidden = trunk_hidden.to(x.dtype)
+            out = ModelOutput(self.logits(hidden) if return_logits else None, hidden, positions=positions)
+        if mtp:
+            if self.mtp is None:
+                raise ValueError("this model has no MTP module: add one with mtpkit.add_mtp(model)")
             if cache is not None:
-                raise ValueError("decoding with a cache needs explicit positions")
-            positions = default_positions(x, segment_ids)
+                raise ValueError("teacher-forced MTP outputs are computed without a cache")
+            depths = self.config.mtp_num_hidden_layers if mtp is True else int(mtp)
+            detached = detach_trunk or not trunk_grad
+            embeds, trunk = (x.detach(), hidden.detach()) if detached else (x, hidden)
+            out.mtp_hidden = self.mtp_teacher_forced(embeds, trunk, positions, segment_ids, depths)
+            if return_logits:
+                head = (lambda m: F.linear(m, self.output_weight.detach())) if detached else self.logits
+                out.mtp_logits = [head(m) for m in out.mtp_hidden]
+        return out
+
+    def _trunk(self, x, positions, segment_ids, cache, cache_positions, deepstack, kv_len) -> torch.Tensor:
+        """The decoder layers and final norm over the input embeddings x [B, T, H] -> post-norm hidden [B, T, H]."""
         if cache is not None and segment_ids is not None:
             raise ValueError("packed segment_ids cannot be combined with a decoding cache")
         ctx = self.context(positions, segment_ids, cache, cache_positions, x.dtype, kv_len)
@@ -173,20 +201,7 @@ class CausalLM(nn.Module):
             if deepstack is not None and i < len(deepstack[1]):
                 mask = deepstack[0]
                 h = h.masked_scatter(mask[..., None], h[mask] + deepstack[1][i].to(h.dtype))
-        hidden = self.model.norm(h)
-        out = ModelOutput(self.logits(hidden) if return_logits else None, hidden)
-        if mtp:
-            if self.mtp is None:
-                raise ValueError("this model has no MTP module: add one with mtpkit.add_mtp(model)")
-            if cache is not None:
-                raise ValueError("teacher-forced MTP outputs are computed without a cache")
-            depths = self.config.mtp_num_hidden_layers if mtp is True else int(mtp)
-            embeds, trunk = (x.detach(), hidden.detach()) if detach_trunk else (x, hidden)
-            out.mtp_hidden = self.mtp_teacher_forced(embeds, trunk, positions, segment_ids, depths)
-            if return_logits:
-                head = (lambda m: F.linear(m, self.output_weight.detach())) if detach_trunk else self.logits
-                out.mtp_logits = [head(m) for m in out.mtp_hidden]
-        return out
+        return self.model.norm(h)
 
     def mtp_teacher_forced(self, embeds, hidden, positions, segment_ids, depths: int) -> list[torch.Tensor]:
         """Depth d, row i: embedding of token i+d and depth d-1's output at row i (the trunk's for d = 1),

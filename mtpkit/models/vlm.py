@@ -9,6 +9,7 @@ placeholder id produced after the prompt (sampled, drafted or verified) is a wor
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -143,6 +144,7 @@ class VisionLanguageModel(CausalLM):
         positions: torch.Tensor | None = None,
         cache=None,
         cache_positions: torch.Tensor | None = None,
+        trunk_grad: bool = True,
         **kwargs,
     ) -> ModelOutput:
         """As `CausalLM.forward` (`kwargs` are its other keyword arguments), plus patches from the HF processor:
@@ -151,12 +153,14 @@ class VisionLanguageModel(CausalLM):
         cache and 3-D positions, `cache_positions` (the KV slots) must be given: image positions are not slot
         indices. `deepstack` is taken only with inputs_embeds (from `prepare_inputs`); with input_ids it is
         computed. With a cache, input_ids are decode or verify tokens after a prompt whose images the cache already
-        holds: a placeholder id among them without pixel values is embedded as a word (the prompt check is skipped)."""
+        holds: a placeholder id among them without pixel values is embedded as a word (the prompt check is skipped).
+        `trunk_grad=False` runs the vision tower under torch.no_grad too."""
         if input_ids is not None:
-            inputs_embeds, kwargs["deepstack"] = self.embed_multimodal(
-                input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, inputs_embeds,
-                prompt=cache is None,
-            )
+            with contextlib.nullcontext() if trunk_grad else torch.no_grad():
+                inputs_embeds, kwargs["deepstack"] = self.embed_multimodal(
+                    input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, inputs_embeds,
+                    prompt=cache is None,
+                )
             if positions is None and cache is None:
                 positions, _ = self.rope_index(
                     input_ids, image_grid_thw, video_grid_thw, mm_token_type_ids=mm_token_type_ids,
@@ -167,4 +171,4 @@ class VisionLanguageModel(CausalLM):
         if cache is not None and positions is not None and positions.dim() == 3 and cache_positions is None:
             raise ValueError("with 3-D MRoPE positions and a cache, pass cache_positions (the KV slots) too")
         return super().forward(inputs_embeds=inputs_embeds, positions=positions, cache=cache,
-                               cache_positions=cache_positions, **kwargs)
+                               cache_positions=cache_positions, trunk_grad=trunk_grad, **kwargs)

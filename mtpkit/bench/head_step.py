@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from ..models.mtp import add_mtp
-from ..train.loss import LossConfig, compute_loss, freeze_trunk, shift_labels
+from ..train.config import MTPSection
+from ..train.loss import compute_loss, freeze_trunk, shift_labels
 
 FASTMTP_WEIGHTS = [0.51, 0.31, 0.18]
 
@@ -27,7 +28,7 @@ def _batch(model, tokens: int, rows: int, seed: int = 0) -> dict:
     return {"input_ids": ids, "segment_ids": seg, "labels": shift_labels(ids, seg)}
 
 
-def step_times(model, batch: dict, cfg: LossConfig, repeats: int, amp: torch.dtype | None) -> dict:
+def step_times(model, batch: dict, cfg: MTPSection, repeats: int, amp: torch.dtype | None) -> dict:
     """Median seconds of one forward + backward, online and offline (hidden stored as bf16, as `mtpkit features`
     writes it), after one warm-up each."""
     with torch.no_grad(), torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
@@ -39,7 +40,7 @@ def step_times(model, batch: dict, cfg: LossConfig, repeats: int, amp: torch.dty
             t0 = time.perf_counter()
             with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
                 out = compute_loss(model, b, cfg, with_main=name == "online")
-            out.loss.backward()
+            out.total.backward()
             model.zero_grad(set_to_none=True)
             if i:  # the first round warms up
                 times[name].append(time.perf_counter() - t0)
@@ -65,8 +66,9 @@ def main(argv=None) -> None:
     path = Path(args.model) if args.model else default_gguf_path()
     model = freeze_trunk(add_mtp(load_model(path, mtp=False), 1))
     weights = (FASTMTP_WEIGHTS + [0.1] * args.depths)[: args.depths]
-    vocab = torch.arange(args.draft_vocab) if args.draft_vocab else None  # the cost depends on the size only
-    cfg = LossConfig(mtp_weights=weights, mtp_only=True, draft_vocab=vocab)
+    if args.draft_vocab:  # the cost depends on the size only
+        model.mtp.draft_vocab = torch.arange(args.draft_vocab)
+    cfg = MTPSection(depth=args.depths, weights=weights, only=True)
     amp = torch.bfloat16 if args.autocast == "bf16" else None
     t = step_times(model, _batch(model, args.tokens, args.rows), cfg, args.repeats, amp)
     print(f"{path.name}: {args.tokens} tokens/step, {args.depths} depths, draft vocab "

@@ -63,7 +63,8 @@ def child(args) -> dict:
     import torch
 
     from ..checkpoint.hf import build_model
-    from ..train.loss import LossConfig, compute_loss, shift_labels
+    from ..train.config import MTPSection
+    from ..train.loss import compute_loss, shift_labels
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -78,7 +79,7 @@ def child(args) -> dict:
     ids = torch.randint(0, args.vocab, (1, T), device=device)
     seg = (torch.arange(T, device=device)[None] * 4 // T)  # 4 packed documents
     batch = {"input_ids": ids, "segment_ids": seg, "labels": shift_labels(ids, seg)}
-    loss_cfg = LossConfig(mtp_depths=depth or None, ce_chunk_tokens=args.ce_chunk)
+    mtp_cfg = MTPSection(depth=depth, ce_chunk_tokens=args.ce_chunk)
     amp = torch.bfloat16 if args.dtype == "bf16" else None
     base_rss = _rss_bytes()
     if device.type == "cuda":
@@ -87,8 +88,8 @@ def child(args) -> dict:
     for i in range(args.warmup + args.steps):
         t0 = time.perf_counter()
         with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-            out = compute_loss(model, batch, loss_cfg)
-        out.loss.backward()
+            out = compute_loss(model, batch, mtp_cfg)
+        out.total.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
@@ -96,7 +97,7 @@ def child(args) -> dict:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     res = {"mode": args.mode, "depth": depth, "step_times": times, "step_time": statistics.median(times),
-           "params": sum(p.numel() for p in model.parameters()), "loss": float(out.loss)}
+           "params": sum(p.numel() for p in model.parameters()), "loss": float(out.total)}
     if device.type == "cuda":
         res["peak_bytes"] = torch.cuda.max_memory_allocated(device)
         res["memory"] = "torch.cuda.max_memory_allocated"

@@ -3,25 +3,25 @@
 from .chunked_ce import chunked_cross_entropy
 from .loss import (
     IGNORE,
-    LossConfig,
     LossOutput,
+    Targets,
     compute_loss,
-    count_tokens,
     depth_weights,
     freeze_trunk,
+    loss_targets,
     mtp_targets,
     shift_labels,
 )
 
 __all__ = [
     "IGNORE",
-    "LossConfig",
     "LossOutput",
+    "Targets",
     "chunked_cross_entropy",
     "compute_loss",
-    "count_tokens",
     "depth_weights",
     "freeze_trunk",
+    "loss_targets",
     "mtp_targets",
     "shift_labels",
 ]

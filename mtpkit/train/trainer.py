@@ -4,7 +4,7 @@
     summary = trainer.fit()
 
 One optimizer step: the global batch (train.batch_size packed rows) is split over ranks and micro-batches; the
-valid-target counts of the whole global batch are summed first (count_tokens + all_reduce), so every micro-batch's
+valid-target counts of the whole global batch are summed first (loss_targets + all_reduce), so every micro-batch's
 loss is its CE sum over the *global* count and the summed gradients equal one big batch's, on any number of
 ranks (FSDP2 reduce-scatters with SUM). Then clipping, the optimizer and scheduler step, one log line, one JSONL
 record, and a DCP checkpoint every `checkpoint.every` steps, at the end, and on SIGINT/SIGTERM. A non-finite loss or
@@ -39,11 +39,10 @@ from ..tokenizer import load_tokenizer
 from .data import DataLoader, build_data
 from .flops import flops_per_token, peak_flops
 from .draft_vocab import draft_vocabulary, write_run_draft_vocab
-from .features import FEATURE_KEYS
-from .loss import LossConfig, compute_loss, count_tokens, freeze_trunk, shift_labels, tau_sim
+from .loss import compute_loss, freeze_trunk, loss_targets, shift_labels, tau_sim
 from .optim import build_optimizer, build_scheduler
 from .parallel_heads_loss import parallel_heads_loss
-from .vision_data import rows_vision
+from .vision_data import batch_rows
 
 logger = logging.getLogger("mtpkit")
 
@@ -104,13 +103,6 @@ def build_train_model(cfg: TrainConfig):
         return model
     model = load_model(path, dtype=dtype, mtp=False, vision=vision)
     return add_head(model, layers, m.init)
-
-
-def loss_config(cfg: TrainConfig) -> LossConfig:
-    m = cfg.mtp
-    return LossConfig(mtp_lambda=m.mtp_lambda, mtp_weights=m.weights, lambda_schedule=m.lambda_schedule,
-                      depth_curriculum=m.depth_curriculum, mtp_depths=m.depth or None, mtp_only=m.only,
-                      detach_trunk=m.detach_trunk, ce_chunk_tokens=m.ce_chunk_tokens, head_loss=m.head_loss)
 
 
 def tokenizer_path(cfg: TrainConfig) -> str:
@@ -187,7 +179,6 @@ class Trainer:
                              f"{model.config.vocab_size}: use the model's own tokenizer")
         if cfg.mtp.only:
             freeze_trunk(model)
-        self.loss_cfg = loss_config(cfg)
         self.model_config = model.config
         self.raw_config = hf_config_dict(model)
         model.to(self.device)
@@ -195,8 +186,9 @@ class Trainer:
         data = build_data(cfg.data, self.tokenizer, cfg.mtp.depth, self.processor)
         if cfg.data.mode == "features":
             data.store.check_model(model)
-        if cfg.mtp.draft_vocab:
-            self.loss_cfg.draft_vocab = draft_vocabulary(data.target_ids(), cfg.mtp.draft_vocab, model.config.vocab_size)
+        if cfg.mtp.draft_vocab:  # the head's CE runs over these ids, and the exported head drafts from them
+            model.drafter.draft_vocab = draft_vocabulary(data.target_ids(), cfg.mtp.draft_vocab,
+                                                         model.config.vocab_size)
         # data-parallel replicas take different rows; the tp ranks of one replica take the same ones
         self.loader = DataLoader(data, t.batch_size, self.dist.dp_rank, self.dist.dp_world)
         per_rank = t.batch_size // self.dist.dp_world
@@ -228,8 +220,9 @@ class Trainer:
             self.tokenizer.save_pretrained(str(self.run_dir / "tokenizer"))
             if self.processor is not None:  # so the exported model takes images
                 self.processor.image_processor.save_pretrained(str(self.run_dir / "tokenizer"))
-            if self.loss_cfg.draft_vocab is not None:  # `mtpkit export --mtp-only` puts it in the head file
-                write_run_draft_vocab(self.run_dir, self.loss_cfg.draft_vocab)
+            vocab = self.model.drafter.draft_vocab if self.model.drafter is not None else None
+            if vocab is not None:  # `mtpkit export --mtp-only` puts it in the head file
+                write_run_draft_vocab(self.run_dir, vocab)
         barrier(self.dist)
 
     def _maybe_resume(self) -> None:
@@ -259,48 +252,41 @@ class Trainer:
     # ----------------------------------------------------------------------------------------------------- steps
     def _micro_batches(self, batch: dict) -> list[dict]:
         batch = {k: v.to(self.device) for k, v in batch.items()}
-        batch["labels"] = shift_labels(batch["input_ids"], batch["segment_ids"], batch["loss_mask"])
+        batch["labels"] = shift_labels(batch["input_ids"], batch["segment_ids"], batch.pop("loss_mask"))
         rows = batch["input_ids"].shape[0]
-        keys = ("input_ids", "labels", "segment_ids", *(k for k in FEATURE_KEYS if k in batch))
-        return [{**{k: batch[k][i : i + self.micro] for k in keys},
-                 **rows_vision(batch, i, i + self.micro)} for i in range(0, rows, self.micro)]
+        return [batch_rows(batch, i, i + self.micro) for i in range(0, rows, self.micro)]
 
     def _run(self, micros: list[dict], step: int, train: bool) -> tuple[float, float, list, list]:
         """Forward (and backward when training) over this rank's micro-batches, every loss normalised by the
         global valid-target counts. Returns (objective, main CE, MTP CE per depth, MTP accuracy per depth), all
         global over ranks; also a pending stop request from any rank (self._stop_requested)."""
-        counts = [count_tokens(mb, self.loss_cfg, self.model, step) for mb in micros]
-        n_depths = len(counts[0]["mtp"])
-        local = [sum(c["main"] for c in counts)] + [sum(c["mtp"][d] for c in counts) for d in range(n_depths)]
-        glob = [int(x) for x in all_reduce_sum(local, self.dist)]
-        token_counts = {"main": glob[0], "mtp": glob[1:]}
-        loss_sum, main_sum = 0.0, 0.0
-        mtp_sum, correct = [0.0] * n_depths, [0.0] * n_depths
+        targets = [loss_targets(mb, self.cfg.mtp, step) for mb in micros]
+        local = torch.stack([t.counts for t in targets]).sum(0).tolist()  # valid targets per head, main first
+        counts = [int(x) for x in all_reduce_sum(local, self.dist)]
+        heads = len(counts)
+        total, ce, correct = 0.0, [0.0] * heads, [0] * heads
         self.model.train(train)
         parallel = self.cfg.mtp.kind == "parallel"
+        # on stored features the main CE is a constant of the data: computed in evaluation only
+        with_main = not (train and self.cfg.data.mode == "features")
         with torch.set_grad_enabled(train):
-            for mb in micros:
+            for mb, t in zip(micros, targets):
                 with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-                    # on stored features the main CE is a constant of the data: computed in evaluation only
-                    with_main = not (train and self.cfg.data.mode == "features")
                     if parallel:  # backpropagates head by head itself
-                        out = parallel_heads_loss(self.model, mb, self.loss_cfg, step, token_counts, with_main,
-                                                  backward=train)
+                        out = parallel_heads_loss(self.model, mb, self.cfg.mtp, t, counts, with_main, backward=train)
                     else:
-                        out = compute_loss(self.model, mb, self.loss_cfg, step, token_counts, with_main=with_main)
+                        out = compute_loss(self.model, mb, self.cfg.mtp, t, counts, with_main)
                 if train and not parallel:
-                    out.loss.backward()
-                loss_sum += float(out.loss.detach())
-                main_sum += float(out.main_loss) * out.main_tokens
-                for d in range(n_depths):
-                    mtp_sum[d] += float(out.mtp_losses[d]) * out.mtp_tokens[d]
-                    correct[d] += out.mtp_accuracy[d] * out.mtp_tokens[d]
+                    out.total.backward()
+                total += float(out.total.detach())
+                ce = [a + b for a, b in zip(ce, out.ce)]
+                correct = [a + b for a, b in zip(correct, out.correct)]
         stop = 1.0 if self._stop_signal is not None else 0.0
-        red = all_reduce_sum([loss_sum, main_sum, *mtp_sum, *correct, stop], self.dist)
+        red = all_reduce_sum([total, *ce, *correct, stop], self.dist)
         self._stop_requested = self._stop_requested or red[-1] > 0
-        mtp = [red[2 + d] / max(glob[1 + d], 1) for d in range(n_depths)]
-        acc = [red[2 + n_depths + d] / max(glob[1 + d], 1) for d in range(n_depths)]
-        return red[0], red[1] / max(glob[0], 1), mtp, acc
+        mean_ce = [s / max(n, 1) for s, n in zip(red[1 : 1 + heads], counts)]
+        acc = [c / max(n, 1) for c, n in zip(red[1 + heads : 1 + 2 * heads], counts)]
+        return red[0], mean_ce[0], mean_ce[1:], acc[1:]
 
     def evaluate(self) -> dict:
         """Main/MTP loss and MTP accuracy on the first train.eval_rows held-out rows (the same every time)."""

@@ -9,7 +9,7 @@ Image parts become `<|vision_start|><|image_pad|><|vision_end|>`, as the Qwen ch
 ChatML template works; each `<|image_pad|>` is then repeated once per merged patch (the processors' expansion,
 done on token ids so the assistant loss mask stays aligned). Documents are packed whole (an image is never cut
 between rows), and a batch carries the patches of its rows' images in row order, with `image_rows` so
-micro-batches can take their share.
+micro-batches can take their share (`batch_rows`).
 """
 
 from __future__ import annotations
@@ -120,17 +120,22 @@ def batch_vision(docs_per_row: list[list[int]], vision: list) -> dict[str, torch
             "image_rows": torch.tensor(rows, dtype=torch.long)}
 
 
-def rows_vision(batch: dict, start: int, stop: int) -> dict[str, torch.Tensor]:
-    """The vision inputs of rows start..stop-1 of a batch from `batch_vision` (images are in row order, so the
-    rows' images and patches are contiguous)."""
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_rows")  # what batch_vision adds to a batch
+
+
+def batch_rows(batch: dict, start: int, stop: int) -> dict[str, torch.Tensor]:
+    """Rows start..stop-1 of a batch: its per-row tensors, and the patches of those rows' images from
+    `batch_vision` (images are in row order, so the rows' images and patches are contiguous; `image_rows` stays
+    behind: the model takes pixel_values and image_grid_thw)."""
+    rows = {k: v[start:stop] for k, v in batch.items() if k not in IMAGE_KEYS}
     if "image_rows" not in batch:
-        return {}
-    rows, grid = batch["image_rows"], batch["image_grid_thw"]
-    keep = (rows >= start) & (rows < stop)
+        return rows
+    images, grid = batch["image_rows"], batch["image_grid_thw"]
+    keep = (images >= start) & (images < stop)
     if not bool(keep.any()):
-        return {}
+        return rows
     idx = keep.nonzero()[:, 0]
     first, last = int(idx[0]), int(idx[-1]) + 1
     offsets = torch.cat([grid.new_zeros(1), grid.prod(-1).cumsum(0)]).tolist()
-    return {"pixel_values": batch["pixel_values"][offsets[first] : offsets[last]],
+    return {**rows, "pixel_values": batch["pixel_values"][offsets[first] : offsets[last]],
             "image_grid_thw": grid[first:last]}

@@ -10,7 +10,8 @@ import mtpkit
 from mtpkit.decode.cache import Cache
 from mtpkit.models.parallel_heads import add_parallel_heads, head_outputs
 from mtpkit.models.transformer import segment_positions
-from mtpkit.train.loss import LossConfig, freeze_trunk, shift_labels
+from mtpkit.train.config import MTPSection
+from mtpkit.train.loss import freeze_trunk, shift_labels
 from mtpkit.train.parallel_heads_loss import parallel_heads_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -24,18 +25,23 @@ def model():
     return mtpkit.build_model(raw)  # hybrid trunk and 3 heads
 
 
-def packed_batch(B=2, T=18):
+def batch_and_mask(B=2, T=18):
+    """A packed batch as the loss takes it, and the loss mask its labels were made with."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 256, (B, T), generator=g)
     seg = torch.zeros(B, T, dtype=torch.long)
     seg[0, 6:], seg[1, 11:] = 1, 1
     mask = torch.rand(B, T, generator=g) > 0.2
-    return {"input_ids": ids, "segment_ids": seg, "labels": shift_labels(ids, seg, mask), "mask": mask}
+    return {"input_ids": ids, "segment_ids": seg, "labels": shift_labels(ids, seg, mask)}, mask
 
 
-def plain_loss(model, batch, weights):
+def packed_batch(B=2, T=18):
+    return batch_and_mask(B, T)[0]
+
+
+def plain_loss(model, batch, mask, weights):
     """All heads' full logits at once, plain F.cross_entropy against hand-rolled targets, weighted and summed."""
-    ids, seg, mask = batch["input_ids"], batch["segment_ids"], batch["mask"]
+    ids, seg = batch["input_ids"], batch["segment_ids"]
     T = ids.shape[1]
     out = model(ids, segment_ids=seg)
     ctx = model.context(segment_positions(seg), seg)
@@ -56,24 +62,24 @@ def grads(model):
 
 
 def test_sequential_backward_equals_plain_backward(model):
-    batch = packed_batch()
+    batch, mask = batch_and_mask()
     model.zero_grad()
-    out = parallel_heads_loss(model, batch, LossConfig(mtp_weights=WEIGHTS, ce_chunk_tokens=5), backward=True)
+    out = parallel_heads_loss(model, batch, MTPSection(depth=3, weights=WEIGHTS, ce_chunk_tokens=5), backward=True)
     got = grads(model)
     model.zero_grad()
-    ref = plain_loss(model, batch, WEIGHTS)
+    ref = plain_loss(model, batch, mask, WEIGHTS)
     ref.backward()
     expected = grads(model)
     model.zero_grad()
-    assert not out.loss.requires_grad and len(out.mtp_losses) == 3 and len(out.mtp_accuracy) == 3
-    torch.testing.assert_close(out.loss, ref.detach(), rtol=1e-6, atol=1e-6)
+    assert not out.total.requires_grad and len(out.per_depth) == 3 and len(out.accuracy) == 3
+    torch.testing.assert_close(out.total, ref.detach(), rtol=1e-6, atol=1e-6)
     assert got.keys() == expected.keys() and any(n.startswith("mtp_heads.") for n in got)
     for n in got:
         torch.testing.assert_close(got[n], expected[n], rtol=0, atol=1e-6, msg=n)
     assert all(g.abs().sum() > 0 for n, g in got.items() if ".layers." in n or "embed" in n)
     # power: weighting the heads differently changes every head's gradient
     model.zero_grad()
-    parallel_heads_loss(model, batch, LossConfig(mtp_weights=[0.2, 0.3, 0.5]), backward=True)
+    parallel_heads_loss(model, batch, MTPSection(depth=3, weights=[0.2, 0.3, 0.5]), backward=True)
     assert not torch.allclose(grads(model)["mtp_heads.layers.0.mlp.down_proj.weight"],
                               expected["mtp_heads.layers.0.mlp.down_proj.weight"], atol=1e-6)
     model.zero_grad()
@@ -81,8 +87,8 @@ def test_sequential_backward_equals_plain_backward(model):
 
 def test_mtp_only_trains_the_heads_alone_and_counts_normalise(model):
     batch = packed_batch()
-    counts = {"main": 50, "mtp": [40, 30, 20]}  # global counts, as the trainer sums them over micro-batches
-    cfg = LossConfig(mtp_weights=WEIGHTS, mtp_only=True)
+    counts = [50, 40, 30, 20]  # global counts (main first), as the trainer sums them over micro-batches
+    cfg = MTPSection(depth=3, weights=WEIGHTS, only=True)
     model.zero_grad()
     freeze_trunk(model)  # as the trainer does: the shared final norm too
     try:
@@ -92,17 +98,16 @@ def test_mtp_only_trains_the_heads_alone_and_counts_normalise(model):
     assert set(grads(model)) == {n for n, _ in model.named_parameters() if n.startswith("mtp_heads.")}
     with torch.no_grad():  # the same objective evaluated without a backward
         same = parallel_heads_loss(model, batch, cfg, token_counts=counts)
-        plain = parallel_heads_loss(model, batch, LossConfig(mtp_weights=WEIGHTS))
-    torch.testing.assert_close(out.loss, same.loss)
-    sums = [m * n for m, n in zip(plain.mtp_losses, plain.mtp_tokens)]
-    torch.testing.assert_close(out.loss, sum(w * s / c for w, s, c in zip(WEIGHTS, sums, counts["mtp"])),
-                               rtol=1e-5, atol=1e-6)
+        plain = parallel_heads_loss(model, batch, MTPSection(depth=3, weights=WEIGHTS))
+    torch.testing.assert_close(out.total, same.total)
+    assert float(out.total) == pytest.approx(sum(w * s / c for w, s, c in zip(WEIGHTS, plain.ce[1:], counts[1:])),
+                                             rel=1e-5, abs=1e-6)
     model.zero_grad()
 
 
 def test_head_count_and_init(model):
     with pytest.raises(ValueError, match="3 parallel heads"):
-        parallel_heads_loss(model, packed_batch(), LossConfig(mtp_weights=[0.25] * 4))
+        parallel_heads_loss(model, packed_batch(), MTPSection(depth=4, weights=[0.25] * 4))
     copy = mtpkit.build_model(dict(hf_model("llama").config.to_dict()))
     add_parallel_heads(copy, 2, "last_layer")
     last = copy.model.layers[-1].state_dict()

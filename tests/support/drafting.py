@@ -61,7 +61,8 @@ def parallel_drafting_model(family: str, heads: int = 3, noise: float = 0.14, se
     `make_drafting`, and heads trained for 60 Adam steps (MTP-only, about a second) on the trunk's own greedy
     continuations of 32 random prompts, from its stored hidden states. Head j must learn the walk's (j+1)-th
     successor; `noise` sets how often the trunk departs from the walk, i.e. how many drafts are rejected."""
-    from mtpkit.train.loss import LossConfig, freeze_trunk, shift_labels
+    from mtpkit.train.config import MTPSection
+    from mtpkit.train.loss import freeze_trunk, shift_labels
     from mtpkit.train.parallel_heads_loss import parallel_heads_loss
 
     torch.manual_seed(seed)
@@ -73,8 +74,8 @@ def parallel_drafting_model(family: str, heads: int = 3, noise: float = 0.14, se
         batch = {"input_ids": ids, "labels": shift_labels(ids), "hidden": model(ids, return_logits=False).hidden}
     opt = torch.optim.Adam(model.mtp_heads.parameters(), lr=1e-2)
     for _ in range(60):
-        parallel_heads_loss(model, batch, LossConfig(mtp_only=True, mtp_weights=[1.0] * heads), with_main=False,
-                            backward=True)
+        parallel_heads_loss(model, batch, MTPSection(depth=heads, kind="parallel", only=True, weights=[1.0] * heads),
+                            with_main=False, backward=True)
         opt.step()
         opt.zero_grad()
     return model.eval()

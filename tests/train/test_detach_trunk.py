@@ -6,9 +6,8 @@ import torch.nn.functional as F
 from tiny_models import hf_model
 
 import mtpkit
-from mtpkit.train.config import ConfigKeyError, load_config
-from mtpkit.train.loss import IGNORE, LossConfig, compute_loss, shift_labels
-from mtpkit.train.trainer import loss_config
+from mtpkit.train.config import ConfigKeyError, MTPSection, load_config
+from mtpkit.train.loss import IGNORE, compute_loss, shift_labels
 
 
 def _model(family: str):
@@ -71,24 +70,24 @@ WEIGHTS = [0.6, 0.4]  # two chained depths, weighted heavily so a leak is far ab
 
 def test_trunk_gets_the_main_loss_gradient_and_mtp_the_mtp_loss_gradient(model):
     batch = _batch()
-    out = compute_loss(model, batch, LossConfig(mtp_weights=WEIGHTS, detach_trunk=True, ce_chunk_tokens=7))
-    got = _grads(model, out.loss)
+    out = compute_loss(model, batch, MTPSection(depth=2, weights=WEIGHTS, detach_trunk=True, ce_chunk_tokens=7))
+    got = _grads(model, out.total)
     main_only = _grads(model, _main_only(model, batch))
-    mtp_only = _grads(model, compute_loss(model, batch, LossConfig(mtp_weights=WEIGHTS, mtp_only=True)).loss)
+    mtp_only = _grads(model, compute_loss(model, batch, MTPSection(depth=2, weights=WEIGHTS, only=True)).total)
     assert got.keys() == main_only.keys() | mtp_only.keys()
     _assert_same(_trunk(got), main_only)
     _assert_same(_mtp(got), mtp_only)
     # the same forward as joint training: identical losses, only the gradient routing differs
-    joint = compute_loss(model, batch, LossConfig(mtp_weights=WEIGHTS, ce_chunk_tokens=7))
-    torch.testing.assert_close(out.loss.detach(), joint.loss.detach())
-    assert out.mtp_losses == joint.mtp_losses and out.mtp_accuracy == joint.mtp_accuracy
+    joint = compute_loss(model, batch, MTPSection(depth=2, weights=WEIGHTS, ce_chunk_tokens=7))
+    torch.testing.assert_close(out.total.detach(), joint.total.detach())
+    assert out.per_depth == joint.per_depth and out.accuracy == joint.accuracy
     model.zero_grad(set_to_none=True)
 
 
 def test_without_detach_the_mtp_loss_reaches_the_trunk(model):
     """Power check: plain joint training moves the trunk's gradients far beyond the tolerance above."""
     batch = _batch()
-    joint = _grads(model, compute_loss(model, batch, LossConfig(mtp_weights=WEIGHTS)).loss)
+    joint = _grads(model, compute_loss(model, batch, MTPSection(depth=2, weights=WEIGHTS)).total)
     main_only = _grads(model, _main_only(model, batch))
     assert _max_diff(_trunk(joint), main_only) > 1e-3
     model.zero_grad(set_to_none=True)
@@ -123,10 +122,10 @@ def test_forward_logits_are_isolated_too(model):
 
 def test_config_key_reaches_the_loss_and_bad_combinations_are_errors():
     base = ["--model.path=x"]
-    assert loss_config(load_config(None, base + ["--mtp.detach_trunk=true"])).detach_trunk
+    assert load_config(None, base + ["--mtp.detach_trunk=true"]).mtp.detach_trunk
     with pytest.raises(ConfigKeyError, match="mtp.detach_trunk needs"):
         load_config(None, base + ["--mtp.detach_trunk=true", "--mtp.only=true"])
     with pytest.raises(ConfigKeyError, match="mtp.detach_trunk needs"):
         load_config(None, base + ["--mtp.detach_trunk=true", "--mtp.depth=0"])
-    with pytest.raises(ValueError, match="not both"):
-        LossConfig(mtp_only=True, detach_trunk=True)
+    with pytest.raises(ConfigKeyError, match="mtp.detach_trunk needs"):
+        MTPSection(only=True, detach_trunk=True)

@@ -13,7 +13,8 @@ from mtpkit.models.config import config_from_hf
 from mtpkit.models.mtp import add_mtp
 from mtpkit.models.transformer import CausalLM
 from mtpkit.train.draft_vocab import draft_vocabulary
-from mtpkit.train.loss import IGNORE, LossConfig, compute_loss, freeze_trunk, mtp_targets, shift_labels, tau_sim
+from mtpkit.train.config import MTPSection
+from mtpkit.train.loss import IGNORE, compute_loss, freeze_trunk, mtp_targets, shift_labels, tau_sim
 from mtpkit.train.soft_ce import chunked_soft_cross_entropy
 
 
@@ -90,7 +91,7 @@ def test_soft_loss_in_compute_loss_targets_the_trunk_at_row_i_plus_d():
     teacher = torch.randn(*batch["input_ids"].shape, V).log_softmax(-1)  # the trunk's distribution at each row
     top = teacher.topk(V, dim=-1)
     batch.update(topk_ids=top.indices, topk_logprobs=top.values)
-    cfg = LossConfig(mtp_weights=[0.6, 0.4], mtp_only=True, head_loss="soft")
+    cfg = MTPSection(depth=2, weights=[0.6, 0.4], only=True, head_loss="soft")
     out = compute_loss(model, batch, cfg)
     with torch.no_grad():
         embeds = model.embed(batch["input_ids"])
@@ -101,18 +102,19 @@ def test_soft_loss_in_compute_loss_targets_the_trunk_at_row_i_plus_d():
         valid = t != IGNORE
         logq = model.logits(h).log_softmax(-1)
         rows = -(teacher[:, d:].exp() * logq).sum(-1)
-        assert out.mtp_losses[d - 1] == pytest.approx(float(rows[valid].mean()), rel=1e-5)
+        assert out.per_depth[d - 1] == pytest.approx(float(rows[valid].mean()), rel=1e-5)
         shifted = -(teacher[:, d - 1 : -1].exp() * logq).sum(-1)  # power check: the teacher one row early
-        assert abs(float(shifted[valid].mean()) - out.mtp_losses[d - 1]) > 1e-3
+        assert abs(float(shifted[valid].mean()) - out.per_depth[d - 1]) > 1e-3
 
 
 def test_ce_over_a_draft_vocabulary_equals_the_subset_reference():
     model = _tiny_with_head()
     batch = _features_batch(model)
     vocab = torch.arange(0, 40, 2)  # even ids: about half the targets lie outside
-    cfg = LossConfig(mtp_weights=[0.6, 0.4], mtp_only=True, draft_vocab=vocab)
+    cfg = MTPSection(depth=2, weights=[0.6, 0.4], only=True)
+    full = compute_loss(model, batch, cfg)
+    model.mtp.draft_vocab = vocab  # the head's draft vocabulary: its CE runs over these ids
     out = compute_loss(model, batch, cfg)
-    full = compute_loss(model, batch, LossConfig(mtp_weights=[0.6, 0.4], mtp_only=True))
     with torch.no_grad():
         embeds = model.embed(batch["input_ids"])
         pos = torch.arange(20).expand(2, 20) - torch.where(batch["segment_ids"] == 1, 10, 0)
@@ -124,11 +126,11 @@ def test_ce_over_a_draft_vocabulary_equals_the_subset_reference():
         assert 0 < int(inside.sum()) < int(valid.sum())
         logits = (h.reshape(-1, h.shape[-1]) @ model.output_weight[vocab].T)  # [N, 20]: the subset's columns
         ce = F.cross_entropy(logits[inside], t[inside] // 2, reduction="sum")
-        assert out.mtp_losses[d - 1] == pytest.approx(float(ce) / int(valid.sum()), rel=1e-5)
+        assert out.per_depth[d - 1] == pytest.approx(float(ce) / int(valid.sum()), rel=1e-5)
         correct = (vocab[logits.argmax(-1)] == t) & inside
-        assert out.mtp_accuracy[d - 1] == pytest.approx(int(correct.sum()) / int(valid.sum()))
-        assert abs(full.mtp_losses[d - 1] - out.mtp_losses[d - 1]) > 1e-2  # power check: not the full-vocab CE
-    assert out.main_loss == pytest.approx(full.main_loss)  # the trunk's CE is never restricted
+        assert out.accuracy[d - 1] == pytest.approx(int(correct.sum()) / int(valid.sum()))
+        assert abs(full.per_depth[d - 1] - out.per_depth[d - 1]) > 1e-2  # power check: not the full-vocab CE
+    assert out.main == pytest.approx(full.main)  # the trunk's CE is never restricted
 
 
 def test_draft_vocabulary_takes_the_most_frequent_ids_sorted():

@@ -9,13 +9,13 @@ import torch.nn.functional as F
 from tiny_models import hf_model
 
 import mtpkit
+from mtpkit.train.config import MTPSection
 from mtpkit.train.loss import (
     IGNORE,
-    LossConfig,
     compute_loss,
-    count_tokens,
     depth_weights,
     freeze_trunk,
+    loss_targets,
     mtp_targets,
     shift_labels,
 )
@@ -74,7 +74,8 @@ def model():
     return mtpkit.add_mtp(m, depth=2)
 
 
-def make_batch(packed: bool, B=2, T=20, seed=0):
+def batch_and_mask(packed: bool, B=2, T=20, seed=0):
+    """A batch as the loss takes it, and the loss mask its labels were made with."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 256, (B, T), generator=g)
     mask = torch.rand(B, T, generator=g) > 0.2
@@ -82,13 +83,17 @@ def make_batch(packed: bool, B=2, T=20, seed=0):
     if packed:
         seg = torch.zeros(B, T, dtype=torch.long)
         seg[0, 7:], seg[0, 9:], seg[1, 12:] = 1, 2, 1  # a 2-token document in row 0
-    return {"input_ids": ids, "labels": shift_labels(ids, seg, mask), "segment_ids": seg, "mask": mask}
+    return {"input_ids": ids, "labels": shift_labels(ids, seg, mask), "segment_ids": seg}, mask
 
 
-def naive_loss(model, batch, weights):
+def make_batch(packed: bool, B=2, T=20, seed=0):
+    return batch_and_mask(packed, B, T, seed)[0]
+
+
+def naive_loss(model, batch, mask, weights):
     """Full logits from model(ids, mtp=n); plain F.cross_entropy per position; row i of depth d predicts token
     i+1+d when it is in i's document and supervised."""
-    ids, seg, mask = batch["input_ids"], batch["segment_ids"], batch["mask"]
+    ids, seg = batch["input_ids"], batch["segment_ids"]
     B, T = ids.shape
     seg = torch.zeros_like(ids) if seg is None else seg
     out = model(ids, segment_ids=batch["segment_ids"], mtp=len(weights) or False)
@@ -111,30 +116,30 @@ def grads(model):
 def test_loss_equals_naive_reference(model, depths, packed):
     """Depth 3 chains past the model's 2 MTP layers (reusing the last, FastMTP-style); the chunk size does not
     divide the token count."""
-    batch = make_batch(packed)
-    cfg = LossConfig(mtp_weights=[0.5, 0.3, 0.2][:depths], ce_chunk_tokens=7)
+    batch, mask = batch_and_mask(packed)
+    cfg = MTPSection(depth=depths, weights=[0.5, 0.3, 0.2][:depths], ce_chunk_tokens=7)
     model.zero_grad()
     out = compute_loss(model, batch, cfg)
-    out.loss.backward()
+    out.total.backward()
     got = grads(model)
     model.zero_grad()
-    ref = naive_loss(model, batch, cfg.mtp_weights)
+    ref = naive_loss(model, batch, mask, cfg.weights)
     ref.backward()
     expected = grads(model)
-    torch.testing.assert_close(out.loss, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.total, ref, rtol=1e-5, atol=1e-6)
     assert got.keys() == expected.keys() and any(n.startswith("mtp.") for n in got)
     for n in got:
         torch.testing.assert_close(got[n], expected[n], rtol=1e-4, atol=1e-6, msg=n)
-    assert len(out.mtp_losses) == len(out.mtp_accuracy) == len(out.mtp_tokens) == depths
-    assert out.main_tokens == int((batch["labels"] != X).sum())
-    assert all(0.0 <= a <= 1.0 for a in out.mtp_accuracy)
+    assert len(out.per_depth) == len(out.accuracy) == len(out.counts) - 1 == depths
+    assert out.counts[0] == int((batch["labels"] != X).sum())
+    assert all(0.0 <= a <= 1.0 for a in out.accuracy)
 
 
 def test_default_weights_are_lambda_over_depths(model):
     batch = make_batch(True)
-    out = compute_loss(model, batch, LossConfig(mtp_lambda=0.3))
-    total = out.main_loss + 0.15 * (out.mtp_losses[0] + out.mtp_losses[1])
-    torch.testing.assert_close(out.loss.detach(), total)
+    out = compute_loss(model, batch, MTPSection(depth=2, mtp_lambda=0.3))
+    total = out.main + 0.15 * (out.per_depth[0] + out.per_depth[1])
+    assert float(out.total.detach()) == pytest.approx(total, rel=1e-6)
 
 
 def test_no_logits_are_kept_for_backward(model):
@@ -148,17 +153,17 @@ def test_no_logits_are_kept_for_backward(model):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = compute_loss(model, make_batch(True), LossConfig(mtp_depths=3, ce_chunk_tokens=8))
+        out = compute_loss(model, make_batch(True), MTPSection(depth=3, ce_chunk_tokens=8))
     assert shapes and not [s for s in shapes if s and s[-1] == 256 and s.numel() > 8 * 256]
-    out.loss.backward()
+    out.total.backward()
     model.zero_grad()
 
 
 def test_evaluation_under_no_grad(model):
     batch = make_batch(True)
     with torch.no_grad():
-        out = compute_loss(model, batch, LossConfig(ce_chunk_tokens=8))
-    torch.testing.assert_close(out.loss, compute_loss(model, batch, LossConfig()).loss.detach())
+        out = compute_loss(model, batch, MTPSection(depth=2, ce_chunk_tokens=8))
+    torch.testing.assert_close(out.total, compute_loss(model, batch, MTPSection(depth=2)).total.detach())
 
 
 # ---- MTP-only mode -------------------------------------------------------------------------------------------
@@ -167,23 +172,22 @@ def test_evaluation_under_no_grad(model):
 def test_mtp_only_trains_the_head_alone(family):
     model = mtpkit.add_mtp(mtpkit.build_model(hf_model(family).config.to_dict()), depth=1)
     batch = make_batch(True)
-    cfg = LossConfig(mtp_only=True, mtp_depths=2, ce_chunk_tokens=16)
-    full = compute_loss(model, batch, LossConfig(mtp_depths=2, ce_chunk_tokens=16))
+    cfg = MTPSection(only=True, depth=2, ce_chunk_tokens=16)
+    full = compute_loss(model, batch, MTPSection(depth=2, ce_chunk_tokens=16))
     # without freezing, the trunk still gets no gradient (no graph through it; lm_head used detached)
     out = compute_loss(model, batch, cfg)
-    out.loss.backward()
+    out.total.backward()
     assert all(p.grad is None for n, p in model.named_parameters() if not n.startswith("mtp."))
-    for a, b in zip(out.mtp_losses, full.mtp_losses):
-        torch.testing.assert_close(a, b)
-    torch.testing.assert_close(out.main_loss, full.main_loss)
-    torch.testing.assert_close(out.loss.detach(), 0.05 * (out.mtp_losses[0] + out.mtp_losses[1]))
+    assert out.per_depth == pytest.approx(full.per_depth, rel=1e-6) and out.main == pytest.approx(full.main, rel=1e-6)
+    assert float(out.total.detach()) == pytest.approx(0.05 * (out.per_depth[0] + out.per_depth[1]), rel=1e-6)
 
     model.zero_grad(set_to_none=True)
     before = copy.deepcopy(model.state_dict())
     freeze_trunk(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     for step in range(3):
-        compute_loss(model, make_batch(True, seed=step), cfg, step).loss.backward()
+        batch = make_batch(True, seed=step)
+        compute_loss(model, batch, cfg, loss_targets(batch, cfg, step)).total.backward()
         opt.step()
         opt.zero_grad(set_to_none=False)  # keep grads around so a stray one would show
     for n, p in model.named_parameters():
@@ -196,7 +200,7 @@ def test_mtp_only_trains_the_head_alone(family):
 def test_mtp_only_without_a_head_is_a_clear_error():
     model = mtpkit.build_model(hf_model("qwen3").config.to_dict())
     with pytest.raises(ValueError, match="add_mtp"):
-        compute_loss(model, make_batch(False), LossConfig(mtp_only=True))
+        compute_loss(model, make_batch(False), MTPSection(only=True))
 
 
 # ---- token counts: micro-batches and ranks sum to the full batch ---------------------------------------------
@@ -205,22 +209,21 @@ def test_global_token_counts_make_half_batches_sum_to_the_full_batch(model):
     full = make_batch(True, B=4, seed=3)
     full["labels"][0, :15] = X  # the halves hold very different numbers of tokens
     halves = [{k: v[i : i + 2] for k, v in full.items()} for i in (0, 2)]
-    cfg = LossConfig(mtp_lambda=0.3, ce_chunk_tokens=9)
-    counts = count_tokens(full, cfg, model, 0)
-    local = [count_tokens(h, cfg, model, 0) for h in halves]
-    assert counts["main"] == sum(c["main"] for c in local) and len(counts["mtp"]) == 2
-    assert counts["mtp"] == [a + b for a, b in zip(local[0]["mtp"], local[1]["mtp"])]
+    cfg = MTPSection(depth=2, mtp_lambda=0.3, ce_chunk_tokens=9)
+    counts = loss_targets(full, cfg).counts.tolist()
+    local = [loss_targets(h, cfg) for h in halves]
+    assert len(counts) == 3 and counts == (local[0].counts + local[1].counts).tolist()
 
     model.zero_grad()
-    compute_loss(model, full, cfg).loss.backward()
+    compute_loss(model, full, cfg).total.backward()
     expected = grads(model)
     model.zero_grad()
-    losses = [compute_loss(model, h, cfg, token_counts=counts).loss for h in halves]
+    losses = [compute_loss(model, h, cfg, t, token_counts=counts).total for h, t in zip(halves, local)]
     for loss in losses:
         loss.backward()
     got = grads(model)
     model.zero_grad()
-    sum(compute_loss(model, h, cfg).loss / 2 for h in halves).backward()
+    sum(compute_loss(model, h, cfg).total / 2 for h in halves).backward()
     naive = grads(model)  # averaging the half-batch means is not the full batch
     assert any((naive[n] - expected[n]).abs().max() > 1e-4 for n in expected)
     for n in expected:
@@ -231,52 +234,57 @@ def test_global_token_counts_make_half_batches_sum_to_the_full_batch(model):
 # ---- weights and schedules -----------------------------------------------------------------------------------
 
 def test_default_and_explicit_weights():
-    assert depth_weights(LossConfig(), 0, 1) == [0.1]
-    assert depth_weights(LossConfig(), 0, 0) == []
-    assert depth_weights(LossConfig(mtp_lambda=0.3), 0, 2) == [0.15, 0.15]
-    assert depth_weights(LossConfig(mtp_depths=3), 0, 1) == pytest.approx([0.1 / 3] * 3)
-    assert depth_weights(LossConfig(mtp_weights=[0.51, 0.31, 0.18]), 0, 1) == [0.51, 0.31, 0.18]  # 3 chained
-    assert depth_weights(LossConfig(mtp_weights=[0.51, 0.31, 0.18], mtp_depths=2), 0, 1) == [0.51, 0.31]
+    assert depth_weights(MTPSection(), 0) == [0.1]
+    assert depth_weights(MTPSection(depth=0), 0) == []
+    assert depth_weights(MTPSection(depth=2, mtp_lambda=0.3), 0) == [0.15, 0.15]
+    assert depth_weights(MTPSection(depth=3), 0) == pytest.approx([0.1 / 3] * 3)
+    assert depth_weights(MTPSection(depth=3, weights=[0.51, 0.31, 0.18]), 0) == [0.51, 0.31, 0.18]
 
 
 def test_lambda_schedule():
-    cfg = LossConfig(lambda_schedule=[[0, 0.3], [1000, 0.1]])
-    assert depth_weights(cfg, 0, 1) == [0.3]
-    assert depth_weights(cfg, 999, 1) == [0.3]
-    assert depth_weights(cfg, 1000, 1) == [0.1]
-    assert depth_weights(cfg, 10**6, 2) == [0.05, 0.05]
+    cfg = MTPSection(lambda_schedule=[[0, 0.3], [1000, 0.1]])
+    assert depth_weights(cfg, 0) == [0.3]
+    assert depth_weights(cfg, 999) == [0.3]
+    assert depth_weights(cfg, 1000) == [0.1]
+    assert depth_weights(MTPSection(depth=2, lambda_schedule=cfg.lambda_schedule), 10**6) == [0.05, 0.05]
 
 
 def test_depth_curriculum():
-    cfg = LossConfig(depth_curriculum=[[0, 1], [10, 2], [20, 3]], mtp_weights=[0.51, 0.31, 0.18])
-    assert depth_weights(cfg, 0, 1) == [0.51]
-    assert depth_weights(cfg, 9, 1) == [0.51]
-    assert depth_weights(cfg, 10, 1) == [0.51, 0.31]
-    assert depth_weights(cfg, 25, 1) == [0.51, 0.31, 0.18]
-    cfg = LossConfig(depth_curriculum=[[0, 1], [5, 2]], lambda_schedule=[[0, 0.3], [8, 0.1]])
-    assert [depth_weights(cfg, s, 2) for s in (0, 5, 8)] == [[0.3], [0.15, 0.15], [0.05, 0.05]]
+    cfg = MTPSection(depth=3, depth_curriculum=[[0, 1], [10, 2], [20, 3]], weights=[0.51, 0.31, 0.18])
+    assert depth_weights(cfg, 0) == [0.51]
+    assert depth_weights(cfg, 9) == [0.51]
+    assert depth_weights(cfg, 10) == [0.51, 0.31]
+    assert depth_weights(cfg, 25) == [0.51, 0.31, 0.18]
+    cfg = MTPSection(depth=2, depth_curriculum=[[0, 1], [5, 2]], lambda_schedule=[[0, 0.3], [8, 0.1]])
+    assert [depth_weights(cfg, s) for s in (0, 5, 8)] == [[0.3], [0.15, 0.15], [0.05, 0.05]]
 
 
 def test_curriculum_sets_the_depths_trained(model):
-    cfg = LossConfig(depth_curriculum=[[0, 1], [10, 2]])
+    cfg = MTPSection(depth=2, depth_curriculum=[[0, 1], [10, 2]])
     batch = make_batch(True)
-    assert len(compute_loss(model, batch, cfg, step=3).mtp_losses) == 1
-    assert len(compute_loss(model, batch, cfg, step=10).mtp_losses) == 2
-    assert len(count_tokens(batch, cfg, model, 3)["mtp"]) == 1
+    early, late = loss_targets(batch, cfg, 3), loss_targets(batch, cfg, 10)
+    assert len(early.labels) == len(early.counts) == 2 and len(late.labels) == 3
+    assert len(compute_loss(model, batch, cfg, early).per_depth) == 1
+    assert len(compute_loss(model, batch, cfg, late).per_depth) == 2
 
 
 @pytest.mark.parametrize("kwargs", [
     dict(lambda_schedule=[[10, 0.3]]),
     dict(lambda_schedule=[[0, 0.3], [0, 0.1]]),
-    dict(depth_curriculum=[[0, 1], [5, 3]], mtp_depths=2),
+    dict(lambda_schedule=[0.3]),
+    dict(depth_curriculum=[[0, 1], [5, 3]], depth=2),
     dict(depth_curriculum=[[0, 0]]),
-    dict(mtp_weights=[0.5], lambda_schedule=[[0, 0.3]]),
-    dict(mtp_weights=[]),
-    dict(mtp_weights=[0.5], mtp_depths=2),
-    dict(mtp_weights=[0.5], depth_curriculum=[[0, 1], [9, 2]]),
+    dict(weights=[0.5], lambda_schedule=[[0, 0.3]]),
+    dict(weights=[]),
+    dict(weights=[0.5], depth=2),
+    dict(weights=[-0.5]),
+    dict(mtp_lambda=-0.1),
     dict(ce_chunk_tokens=0),
+    dict(only=True, detach_trunk=True),
+    dict(only=True, depth=0),
 ])
 def test_bad_configs_are_rejected(kwargs):
+    MTPSection()  # the defaults are valid
     with pytest.raises(ValueError):
-        LossConfig(**kwargs)
+        MTPSection(**kwargs)
 

@@ -165,7 +165,8 @@ def test_ac_and_compile_wrap_blocks_without_changing_names_or_numbers():
 
     import mtpkit
     from mtpkit.parallel import apply_ac, apply_compile
-    from mtpkit.train.loss import LossConfig, compute_loss, shift_labels
+    from mtpkit.train.config import MTPSection
+    from mtpkit.train.loss import compute_loss, shift_labels
 
     torch.manual_seed(0)
     model = mtpkit.build_model(dict(TINY_MODEL, mtp_num_hidden_layers=2))
@@ -178,9 +179,9 @@ def test_ac_and_compile_wrap_blocks_without_changing_names_or_numbers():
     batch = {"input_ids": ids, "segment_ids": seg, "labels": shift_labels(ids, seg)}
     losses = []
     for m in (model, wrapped):
-        out = compute_loss(m, batch, LossConfig())
-        out.loss.backward()
-        losses.append(out.loss.detach())
+        out = compute_loss(m, batch, MTPSection(depth=2))
+        out.total.backward()
+        losses.append(out.total.detach())
     assert torch.allclose(losses[0], losses[1], rtol=1e-6)
     clean = lambda n: n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")  # noqa: E731
     grads = {clean(n): p.grad for n, p in wrapped.named_parameters()}

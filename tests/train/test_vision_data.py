@@ -14,10 +14,11 @@ import mtpkit
 from mtpkit.models.multimodal import load_processor
 from mtpkit.train.config import config_from_dict
 from mtpkit.train.data import DataError, build_data
-from mtpkit.train.loss import IGNORE, LossConfig, compute_loss, shift_labels
+from mtpkit.train.config import MTPSection
+from mtpkit.train.loss import IGNORE, compute_loss, shift_labels
 from mtpkit.train.shapes import prepare_shapes
 from mtpkit.train.trainer import Trainer
-from mtpkit.train.vision_data import rows_vision
+from mtpkit.train.vision_data import batch_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SMALL_TEXT = dict(hidden_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
@@ -97,20 +98,21 @@ def test_micro_batches_take_their_rows_images(shapes, data):
     model = mtpkit.build_model(json.loads(json.dumps(model_config)), vision=True)
     mtpkit.add_mtp(model, 1)
     batch = packed.rows(0, 4)
-    batch["labels"] = shift_labels(batch["input_ids"], batch["segment_ids"], batch["loss_mask"])
-    keys = ("input_ids", "labels", "segment_ids")
-    cfg = LossConfig(mtp_lambda=0.3)
+    batch["labels"] = shift_labels(batch["input_ids"], batch["segment_ids"], batch.pop("loss_mask"))
+    cfg = MTPSection(mtp_lambda=0.3)
 
     def grads(micros):
         model.zero_grad()
-        counts = {"main": int((batch["labels"] != IGNORE).sum()),
-                  "mtp": [int((batch["labels"][:, 1:] != IGNORE).sum())]}
-        loss = sum(compute_loss(model, mb, cfg, token_counts=counts).loss for mb in micros)
+        counts = [int((batch["labels"] != IGNORE).sum()), int((batch["labels"][:, 1:] != IGNORE).sum())]
+        loss = sum(compute_loss(model, mb, cfg, token_counts=counts).total for mb in micros)
         loss.backward()
         return float(loss.detach()), model.visual.patch_embed.proj.weight.grad.clone()
 
-    whole = grads([{**{k: batch[k] for k in keys}, **rows_vision(batch, 0, 4)}])
-    split = grads([{**{k: batch[k][i : i + 2] for k in keys}, **rows_vision(batch, i, i + 2)} for i in (0, 2)])
+    halves = [batch_rows(batch, i, i + 2) for i in (0, 2)]
+    assert [h["image_grid_thw"].shape[0] for h in halves] == [int((batch["image_rows"] < 2).sum()),
+                                                             int((batch["image_rows"] >= 2).sum())]
+    whole = grads([batch_rows(batch, 0, 4)])
+    split = grads(halves)
     assert abs(whole[0] - split[0]) <= 1e-5
     assert (whole[1] - split[1]).abs().max() <= 1e-6 and whole[1].abs().sum() > 0
 
@@ -189,11 +191,11 @@ def test_mtp_only_on_images_trains_the_head_alone_with_the_same_loss(shapes, dat
     torch.manual_seed(0)
     model = mtpkit.add_mtp(mtpkit.build_model(json.loads(json.dumps(model_config)), vision=True), 1)
     batch = packed.rows(0, 2)
-    mb = {"input_ids": batch["input_ids"], "segment_ids": batch["segment_ids"], **rows_vision(batch, 0, 2),
-          "labels": shift_labels(batch["input_ids"], batch["segment_ids"], batch["loss_mask"])}
-    full = compute_loss(model, mb, LossConfig(mtp_lambda=0.3))
-    only = compute_loss(model, mb, LossConfig(mtp_lambda=0.3, mtp_only=True))
-    assert abs(float(full.mtp_losses[0]) - float(only.mtp_losses[0])) <= 1e-5
+    batch["labels"] = shift_labels(batch["input_ids"], batch["segment_ids"], batch.pop("loss_mask"))
+    mb = batch_rows(batch, 0, 2)
+    full = compute_loss(model, mb, MTPSection(mtp_lambda=0.3))
+    only = compute_loss(model, mb, MTPSection(mtp_lambda=0.3, only=True))
+    assert abs(full.per_depth[0] - only.per_depth[0]) <= 1e-5
     model.zero_grad()
-    only.loss.backward()
+    only.total.backward()
     assert all((p.grad is not None) == n.startswith("mtp.") for n, p in model.named_parameters())

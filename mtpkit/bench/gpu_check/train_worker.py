@@ -25,9 +25,9 @@ import torch.distributed as dist
 from ...checkpoint.hf import build_model
 from ...parallel.apply import parallelize
 from ...parallel.distributed import Dist, all_reduce_sum
-from ...train.config import OptimSection, ParallelSection
+from ...train.config import MTPSection, OptimSection, ParallelSection
 from ...train.flops import flops_per_token, peak_flops
-from ...train.loss import LossConfig, compute_loss, count_tokens, shift_labels
+from ...train.loss import compute_loss, loss_targets, shift_labels
 from ...train.optim import build_optimizer
 from .common import free_memory, guarded, skipped, sync
 
@@ -48,11 +48,10 @@ def run_variant(v: dict, d: Dist, spec: dict) -> dict:
     params = sum(p.numel() for p in model.parameters())
     parallelize(model, d, ParallelSection(fsdp="on", ac="full" if v["ac"] else "none", compile=v["compile"]))
     optimizer = build_optimizer(model, OptimSection())
-    loss_cfg = LossConfig(mtp_depths=1 if v["mtp"] else None)
+    mtp_cfg = MTPSection(depth=1 if v["mtp"] else 0)
     batch = _batch(raw["vocab_size"], seq, d.rank, device)
-    local = count_tokens(batch, loss_cfg, model, 0)
-    glob = [int(x) for x in all_reduce_sum([local["main"], *local["mtp"]], d)]
-    counts = {"main": glob[0], "mtp": glob[1:]}
+    targets = loss_targets(batch, mtp_cfg)
+    counts = [int(x) for x in all_reduce_sum(targets.counts.tolist(), d)]
     amp = torch.bfloat16 if device.type == "cuda" else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -61,13 +60,13 @@ def run_variant(v: dict, d: Dist, spec: dict) -> dict:
         sync(device)
         t0 = time.perf_counter()
         with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-            out = compute_loss(model, batch, loss_cfg, 0, counts)
-        out.loss.backward()
+            out = compute_loss(model, batch, mtp_cfg, targets, counts)
+        out.total.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync(device)
         times.append(time.perf_counter() - t0)
-        losses.append(float(out.loss.detach()))
+        losses.append(float(out.total.detach()))
     step = statistics.median(times[spec["warmup"] :])
     cfg = model.config
     tokens_per_s = d.world * seq / step

@@ -11,8 +11,6 @@ import logging
 import torch
 from torch import nn
 
-from ..models.mtp import is_mtp_param
-
 logger = logging.getLogger("mtpkit")
 
 
@@ -47,23 +45,17 @@ def apply_fsdp(model, mesh, *, param_dtype: torch.dtype | None = None, reduce_dt
                reshard_after_forward: bool = True, sum_gradients: bool = True) -> None:
     """FSDP2 (`fully_shard`) on every block, then on the model. The root keeps the embedding, final norm, lm_head
     and the MTP module's fc and norms, and (as FSDP2 does for a root) stays unsharded after forward, so a chunked
-    loss can use lm_head's weight after the forward returns.
-
-    MTP-only training (every non-mtp parameter frozen): the frozen trunk has no gradient to reduce and is called
-    outside forward() by the loss, so it stays replicated; only the MTP module (its layers, then the module) is
-    sharded.
+    loss can use lm_head's weight after the forward returns. A frozen trunk (MTP-only training) is sharded like
+    any other: it runs inside forward (under torch.no_grad) and has no gradient to reduce.
 
     sum_gradients: reduce-scatter with SUM instead of the mean over ranks, for losses already normalised by the
     global token count (mtpkit.train.loss.compute_loss with token_counts)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    mtp = getattr(model, "mtp", None)
-    trunk_trains = any(p.requires_grad for n, p in model.named_parameters() if not is_mtp_param(n))
-    blocks = _blocks(model) if trunk_trains or mtp is None else [(mtp.layers, i) for i in range(len(mtp.layers))]
-    for container, i in blocks:
+    for container, i in _blocks(model):
         fully_shard(container[i], mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model if trunk_trains or mtp is None else mtp, mesh=mesh, mp_policy=mp)  # root: kept after forward
+    fully_shard(model, mesh=mesh, mp_policy=mp)  # root: kept after forward
     if sum_gradients:
         for m in model.modules():
             if isinstance(m, FSDPModule):

@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import torch
 
-    from ..train.checkpoint import export
+    from ..train.export import export
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
     out = export(args.path, args.out, dtype, mtp_only=args.mtp_only, overwrite=args.overwrite)

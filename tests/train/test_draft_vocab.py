@@ -60,7 +60,7 @@ def test_head_file_round_trip_of_the_draft_vocabulary(tmp_path, monkeypatch):
 
 
 def test_a_run_with_draft_vocab_exports_it_in_the_head(tmp_path):
-    from mtpkit.train.checkpoint import export
+    from mtpkit.train.export import export
     from mtpkit.train.config import config_from_dict
     from mtpkit.train.draft_vocab import read_run_draft_vocab
     from mtpkit.train.trainer import train

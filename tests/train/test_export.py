@@ -26,7 +26,7 @@ def run(tmp_path_factory):
 
 
 def test_export_run_dir_writes_hf_layout_with_mtp_and_tokenizer(run, tmp_path):
-    from mtpkit.train.checkpoint import load_model_weights
+    from mtpkit.train.state import load_model_weights
 
     assert main(["export", str(run / "run"), "--out", str(tmp_path / "hf")]) == 0
     out = tmp_path / "hf"
@@ -64,7 +64,7 @@ def test_export_a_given_checkpoint_and_dtype(run, tmp_path):
 
 def test_export_mtp_only_head_file(run, tmp_path):
     from mtpkit.checkpoint.mtp_head import load_mtp_head
-    from mtpkit.train.checkpoint import load_model_weights
+    from mtpkit.train.state import load_model_weights
 
     head = tmp_path / "head.safetensors"
     assert main(["export", str(run / "run"), "--mtp-only", "--dtype", "bfloat16", "--out", str(head)]) == 0

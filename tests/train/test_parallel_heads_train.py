@@ -12,7 +12,7 @@ from train_runs import TINY_MODEL, read_metrics, tiny_raw_config, write_toml
 import mtpkit
 from mtpkit.checkpoint.mtp_head import load_mtp_head
 from mtpkit.cli import main
-from mtpkit.train.checkpoint import load_model_weights
+from mtpkit.train.state import load_model_weights
 from mtpkit.train.config import ConfigKeyError, config_from_dict
 
 
@@ -79,7 +79,7 @@ def test_config_errors(tmp_path, mtp, message):
 
 def test_the_shakespeare_comparison_recipes_differ_only_in_the_head():
     from mtpkit.train.config import load_config
-    from mtpkit.train.trainer import build_train_model
+    from mtpkit.train.model_setup import build_train_model
 
     configs = Path(__file__).resolve().parents[2] / "configs"
     seq, par = (load_config(configs / f"{name}.toml") for name in ("shakespeare_qwen35_tiny",

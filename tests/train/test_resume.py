@@ -59,7 +59,7 @@ def setup(tmp_path_factory):
 
 
 def test_kill_9_mid_run_then_resume_matches_uninterrupted(setup):
-    from mtpkit.train.checkpoint import latest_checkpoint
+    from mtpkit.train.state import latest_checkpoint
 
     root, cfg, ref = setup
     run = root / "killed"
@@ -81,7 +81,7 @@ def test_kill_9_mid_run_then_resume_matches_uninterrupted(setup):
 
 
 def test_sigterm_saves_a_checkpoint_and_resume_is_exact(setup):
-    from mtpkit.train.checkpoint import latest_checkpoint
+    from mtpkit.train.state import latest_checkpoint
 
     root, cfg, ref = setup
     run = root / "term"

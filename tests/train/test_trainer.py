@@ -40,7 +40,7 @@ def test_smoke_run_through_cli_writes_metrics_checkpoints_and_plot(tmp_path, cap
 
 
 def test_nan_loss_stops_with_clear_message_and_keeps_last_good_checkpoint(tmp_path):
-    from mtpkit.train.checkpoint import latest_checkpoint
+    from mtpkit.train.state import latest_checkpoint
     from mtpkit.train.trainer import NonFiniteLoss, Trainer
 
     trainer = Trainer(tiny_config(tmp_path, train={"steps": 6}, checkpoint={"every": 2}))
@@ -80,7 +80,7 @@ def test_mtp_only_leaves_trunk_bit_identical_and_uses_lr_mtp(tmp_path):
 
 def test_mtp_head_from_checkpoint_or_last_layer(tmp_path):
     import mtpkit
-    from mtpkit.train.trainer import build_train_model
+    from mtpkit.train.model_setup import build_train_model
 
     raw = tiny_raw_config(tmp_path)
     model = mtpkit.build_model(dict(TINY_MODEL))

@@ -128,7 +128,7 @@ def test_vl_run_trains_exports_and_decodes_an_image_prompt(shapes, tmp_path):
     assert np.isfinite(summary["last"]["val_main_loss"])
     assert not torch.equal(trainer.model.visual.patch_embed.proj.weight, tower)  # the tower trains
 
-    from mtpkit.train.checkpoint import export
+    from mtpkit.train.export import export
 
     out = export(tmp_path / "run", tmp_path / "hf")
     model = mtpkit.load_model(out, vision=True)

@@ -16,7 +16,7 @@ from train_runs import TINY_MODEL, read_metrics, tiny_config
 
 from mtpkit.checkpoint.hf import CheckpointError
 from mtpkit.cli import main
-from mtpkit.train.checkpoint import latest_checkpoint, list_checkpoints
+from mtpkit.train.state import latest_checkpoint, list_checkpoints
 from mtpkit.train.optim import lr_factor
 
 

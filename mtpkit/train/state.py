@@ -1,4 +1,4 @@
-"""Training checkpoints with torch.distributed.checkpoint (DCP), and export to an HF-layout directory.
+"""Training state: checkpoints of a run with torch.distributed.checkpoint (DCP), saved, resumed and found.
 
 A checkpoint is `RUN_DIR/checkpoints/step-NNNNNNNN/`:
     .metadata, __R_0.distcp   model and optimizer state, sharded (each rank writes its own shards; DCP reshards
@@ -11,7 +11,7 @@ It is written to `step-NNNNNNNN.tmp/`, fsynced, and renamed once every rank has 
 saving never leaves a checkpoint that looks complete. On resume a checkpoint whose files do not have the sizes
 complete.json records (truncated, half-copied) or that fails to load is skipped with a warning, and the previous
 one is used. Nothing here is unpickled by mtpkit (JSON only); DCP's own `.metadata` is a pickle that torch reads,
-so a run directory is trusted input (docs/MTP.md, "Trust model"). The run directory also holds what export needs:
+so a run directory is trusted input (docs/MTP.md, "Trust model"). The run directory also holds what export.py needs:
 config.toml, model_config.json (the model's config.json) and tokenizer/.
 """
 
@@ -351,45 +351,3 @@ def resolve_checkpoint(run_or_ckpt) -> tuple[Path, Path]:
     if ckpt is None:
         raise FileNotFoundError(f"{p} is neither a checkpoint nor a run directory with complete checkpoints/step-*")
     return p, ckpt
-
-
-def export(run_or_ckpt, out_dir, dtype: torch.dtype | None = None, mtp_only: bool = False,
-           overwrite: bool = False) -> Path:
-    """Write a training checkpoint as an HF-layout model directory: config.json (mtp_num_hidden_layers set),
-    safetensors with `mtp.*` under the names vLLM and SGLang load (parallel heads: mtpkit's own `mtp_heads.*`), and
-    the run's tokenizer files. With `mtp_only`, `out_dir` is instead one .safetensors file holding just the head's
-    tensors (a head for `--mtp`). An existing
-    target is refused unless `overwrite` (see `mtpkit.save_model`)."""
-    from ..checkpoint.hf import build_model, save_model
-    from ..checkpoint.safe_write import check_target
-    from ..tokenizer import load_tokenizer
-    from .config import load_config
-    from .trainer import build_train_model
-
-    check_target(Path(out_dir), overwrite, is_file=mtp_only)  # before minutes of loading
-    run_dir, ckpt = resolve_checkpoint(run_or_ckpt)
-    cfg_path, raw_path = run_dir / "config.toml", run_dir / "model_config.json"
-    if not cfg_path.exists() or not raw_path.exists():
-        raise FileNotFoundError(f"{run_dir} lacks config.toml / model_config.json: is it an mtpkit run directory?")
-    cfg = load_config(cfg_path)
-    source = cfg.model.path
-    if source is not None and Path(source).expanduser().exists():
-        model = build_train_model(cfg)  # same structure as in training; keeps tensors the run did not train (vision)
-    else:
-        model = build_model(json.loads(raw_path.read_text()), vision=cfg.data.images)
-    load_model_weights(ckpt, model)
-    if mtp_only:
-        from ..checkpoint.mtp_head import save_mtp_head
-        from .draft_vocab import read_run_draft_vocab
-
-        model.drafter.draft_vocab = read_run_draft_vocab(run_dir)  # trained with mtp.draft_vocab: it drafts over those
-        return save_mtp_head(model, out_dir, dtype, overwrite=overwrite)
-    if dtype is not None:
-        model = model.to(dtype)
-    tok_dir = run_dir / "tokenizer"
-    tokenizer = load_tokenizer(tok_dir) if tok_dir.exists() else None
-    out = save_model(model, out_dir, tokenizer, overwrite=overwrite)
-    if (tok_dir / "preprocessor_config.json").exists():  # an image-trained run: the model takes images
-        shutil.copy2(tok_dir / "preprocessor_config.json", out / "preprocessor_config.json")
-    logger.info("exported %s (step %s) to %s", ckpt, ckpt.name[len("step-"):].lstrip("0") or "0", out)
-    return out

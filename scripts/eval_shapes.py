@@ -10,7 +10,7 @@ from pathlib import Path
 
 import mtpkit
 from mtpkit.models.multimodal import open_images
-from mtpkit.train.shapes import PROMPT
+from mtpkit.datasets.shapes import PROMPT
 
 
 def main() -> None:

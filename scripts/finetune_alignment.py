@@ -35,8 +35,8 @@ from mtpkit.checkpoint.graft import graft
 from mtpkit.checkpoint.hf import save_model
 from mtpkit.checkpoint.mtp_head import load_mtp_head
 from mtpkit.tokenizer import load_tokenizer
-from mtpkit.train.data import shakespeare_texts
-from mtpkit.train.distill import distill
+from mtpkit.data.packing import shakespeare_texts
+from mtpkit.datasets.distill import distill
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "configs" / "smollm2_shakespeare_finetune.toml"

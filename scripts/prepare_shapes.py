@@ -7,7 +7,7 @@ Prints the paths the recipe configs/shapes_qwen35_vl_tiny.toml uses (default: ~/
 
 import argparse
 
-from mtpkit.train.shapes import prepare_shapes
+from mtpkit.datasets.shapes import prepare_shapes
 
 
 def main() -> None:

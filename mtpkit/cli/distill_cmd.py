@@ -29,9 +29,9 @@ def run(args) -> int:
     from ..checkpoint.hf import load_model
     from ..kernels.compute_dtype import describe, resolve
     from ..tokenizer import load_tokenizer
-    from ..train.data import shakespeare_texts
-    from ..train.distill import distill, load_or_build_prompts
-    from ..train.distill_prompts import build_prompts
+    from ..data.packing import shakespeare_texts
+    from ..datasets.distill import distill, load_or_build_prompts
+    from ..datasets.distill_prompts import build_prompts
 
     if args.num_prompts < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise ValueError("--num-prompts, --batch-size and --max-new-tokens must be >= 1")

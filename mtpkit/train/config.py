@@ -112,7 +112,7 @@ class DataSection:
     shuffle: bool = True  # shuffle documents and packed rows, with a fresh permutation per epoch
     seed: int = 1234
     val_docs: int = 0  # documents held out (a seeded choice) for evaluation (train.eval_every)
-    images: bool = False  # records carry images (mtpkit.train.vision_data): a vision-language model is trained
+    images: bool = False  # records carry images (mtpkit.data.images): a vision-language model is trained
     image_field: str = "image"  # pretrain records: the image path (or list of paths) placed before the text
 
 

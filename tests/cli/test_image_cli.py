@@ -8,7 +8,7 @@ import pytest
 
 import mtpkit
 from mtpkit.cli import main
-from mtpkit.train.shapes import prepare_shapes
+from mtpkit.datasets.shapes import prepare_shapes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,8 +11,8 @@ from mtpkit.bench.speedup import DEFAULT_HEAD, resource
 from mtpkit.checkpoint.mtp_head import load_mtp_head
 from mtpkit.tokenizer import encode_prompt, load_tokenizer
 from mtpkit.assets import cache_dir
-from mtpkit.train.data import shakespeare_texts
-from mtpkit.train.distill_prompts import build_prompts
+from mtpkit.data.packing import shakespeare_texts
+from mtpkit.datasets.distill_prompts import build_prompts
 
 pytestmark = pytest.mark.slow
 

@@ -48,7 +48,7 @@ def test_fsdp2_on_image_data_matches_one_rank(tmp_path):
     import json
 
     from mtpkit.cli import main
-    from mtpkit.train.shapes import prepare_shapes
+    from mtpkit.datasets.shapes import prepare_shapes
 
     root = prepare_shapes(tmp_path / "shapes", n_train=40, n_val=1, seed=2)
     model = json.loads((root / "model" / "config.json").read_text())

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..models.multimodal import IMAGE_BLOCK, IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, open_images
-from .data import DataError, chat_tokens, read_records
+from .packing import DataError, chat_tokens, read_records
 
 
 def _flatten_chat(messages, base: Path) -> tuple[list[dict], list[Path]]:

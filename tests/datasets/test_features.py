@@ -15,9 +15,9 @@ import torch
 from train_runs import TINY_LLAMA, make_tokenizer
 
 from mtpkit.checkpoint.hf import build_model, load_model, save_model
-from mtpkit.train import features as F
+from mtpkit.data import features as F
 from mtpkit.train.config import config_from_dict
-from mtpkit.train.features import FeatureStore, build_features
+from mtpkit.data.features import FeatureStore, build_features
 
 
 def write_records(path: Path, n: int = 24, seed: int = 0, length: int = 0) -> Path:

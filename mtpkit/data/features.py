@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .data import DataError, PackedData, read_records, tokenize_documents
+from .packing import DataError, PackedData, read_records, tokenize_documents
 
 logger = logging.getLogger("mtpkit")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from train_runs import make_tokenizer
 
-from mtpkit.train.data import (
+from mtpkit.data.packing import (
     DataError,
     DataLoader,
     PackedData,

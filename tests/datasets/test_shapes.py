@@ -14,7 +14,7 @@ from PIL import Image
 
 import mtpkit
 from mtpkit.models.multimodal import image_inputs, load_processor
-from mtpkit.train.shapes import (
+from mtpkit.datasets.shapes import (
     BACKGROUND,
     COLOURS,
     JITTER,

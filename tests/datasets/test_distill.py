@@ -9,8 +9,8 @@ from tiny_models import hf_model, save_hf
 
 import mtpkit
 from mtpkit.bench.speedup import DEFAULT_PROMPTS, read_prompts, resource
-from mtpkit.train.distill import distill
-from mtpkit.train.distill_prompts import TOPICS, build_prompts
+from mtpkit.datasets.distill import distill
+from mtpkit.datasets.distill_prompts import TOPICS, build_prompts
 
 
 class _CharTokenizer:
@@ -55,7 +55,7 @@ class _Replier(_CharTokenizer):
 
 
 def test_self_and_multiturn_prompts_are_completed_with_the_models_words(tmp_path, monkeypatch):
-    from mtpkit.train import distill as d
+    from mtpkit.datasets import distill as d
 
     monkeypatch.setattr(d, "_generate", lambda model, rows, n, eos: [[5, 6]] * len(rows))
     raw = [{"ask": "Write one question.", "chat": True, "kind": "self"},

@@ -34,9 +34,9 @@ from mtpkit.bench.speedup import DEFAULT_HEAD, DEFAULT_PROMPTS, Prompt, encode_p
 from mtpkit.checkpoint.graft import graft
 from mtpkit.checkpoint.hf import save_model
 from mtpkit.checkpoint.mtp_head import load_mtp_head
-from mtpkit.tokenizer import load_tokenizer
-from mtpkit.data.packing import shakespeare_texts
 from mtpkit.datasets.distill import distill
+from mtpkit.datasets.shakespeare import shakespeare_texts
+from mtpkit.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "configs" / "smollm2_shakespeare_finetune.toml"

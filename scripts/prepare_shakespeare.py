@@ -7,7 +7,7 @@ Prints the two paths the recipe configs/shakespeare_qwen35_tiny.toml uses (defau
 
 import argparse
 
-from mtpkit.data.packing import prepare_shakespeare
+from mtpkit.datasets.shakespeare import prepare_shakespeare
 
 
 def main() -> None:

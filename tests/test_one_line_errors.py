@@ -61,7 +61,8 @@ def test_out_of_vocabulary_token_records():
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from mtpkit.data.packing import DataError, tokenize_documents
+    from mtpkit.data.reading import DataError
+    from mtpkit.data.tokenizing import tokenize_documents
 
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(50)},
                                                                                unk_token="t0")))

@@ -29,7 +29,7 @@ def run(args) -> int:
     from ..checkpoint.hf import load_model
     from ..kernels.compute_dtype import describe, resolve
     from ..tokenizer import load_tokenizer
-    from ..data.packing import shakespeare_texts
+    from ..datasets.shakespeare import shakespeare_texts
     from ..datasets.distill import distill, load_or_build_prompts
     from ..datasets.distill_prompts import build_prompts
 

@@ -30,7 +30,7 @@ def run(args) -> int:
     from ..checkpoint.hf import load_model
     from ..kernels.compute_dtype import describe, resolve
     from ..tokenizer import load_tokenizer
-    from ..data.features import build_features
+    from ..datasets.features import build_features
 
     path = Path(args.model) if args.model else default_gguf_path()
     model = load_model(path, mtp=False).eval()

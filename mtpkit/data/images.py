@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from ..models.multimodal import IMAGE_BLOCK, IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, open_images
-from .packing import DataError, chat_tokens, read_records
+from .reading import DataError, read_records
+from .tokenizing import chat_tokens
 
 
 def _flatten_chat(messages, base: Path) -> tuple[list[dict], list[Path]]:

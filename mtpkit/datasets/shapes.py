@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from PIL import Image, ImageDraw
 
-from ..data.packing import CHATML_TEMPLATE
+from .bpe import CHATML_TEMPLATE
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast

@@ -170,7 +170,7 @@ def compute_loss(model, batch: dict, cfg: MTPSection, targets: Targets | None = 
 
     batch: the model's inputs (input_ids [B, T], optional segment_ids [B, T] and positions, and for a
     vision-language model pixel_values and image_grid_thw), labels [B, T] (shift_labels; never a vision token: see
-    vision_data) and, from stored features, the trunk's hidden and top-k. cfg: the [mtp] section. targets: this
+    data/images.py) and, from stored features, the trunk's hidden and top-k. cfg: the [mtp] section. targets: this
     micro-batch's `loss_targets` (default: at step 0). token_counts: GLOBAL valid targets per head, main first, over
     all ranks and micro-batches; each term is then this micro-batch's CE sum / global count, so gradients *summed*
     over ranks and micro-batches equal one big batch's (FSDP2/DDP average over ranks by default: scale by the world

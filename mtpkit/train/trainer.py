@@ -28,12 +28,14 @@ import numpy as np
 import torch
 
 from ..checkpoint.hf import hf_config_dict
+from ..data.build import build_data
+from ..data.images import batch_rows
+from ..data.packing import DataLoader
 from ..models.multimodal import load_processor
 from ..parallel.apply import parallelize
 from ..parallel.distributed import all_reduce_sum, barrier, init_distributed, shutdown
 from ..tokenizer import load_tokenizer
 from .config import TrainConfig, to_toml
-from ..data.packing import DataLoader, build_data
 from .draft_vocab import draft_vocabulary, write_run_draft_vocab
 from .flops import flops_per_token, peak_flops
 from .loss import compute_loss, freeze_trunk, loss_targets, shift_labels, tau_sim
@@ -41,7 +43,6 @@ from .model_setup import build_train_model, tokenizer_path
 from .optim import build_optimizer, build_scheduler
 from .parallel_heads_loss import parallel_heads_loss
 from .state import latest_checkpoint, load_checkpoint, resume_latest, save_checkpoint, set_aside
-from ..data.images import batch_rows
 
 logger = logging.getLogger("mtpkit")
 

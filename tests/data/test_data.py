@@ -8,18 +8,12 @@ import pytest
 import torch
 from train_runs import make_tokenizer
 
-from mtpkit.data.packing import (
-    DataError,
-    DataLoader,
-    PackedData,
-    build_data,
-    chat_tokens,
-    pack,
-    read_records,
-    list_files,
-)
-from mtpkit.train.loss import IGNORE, mtp_targets, shift_labels
+from mtpkit.data.build import build_data
+from mtpkit.data.packing import DataLoader, PackedData, pack
+from mtpkit.data.reading import DataError, list_files, read_records
+from mtpkit.data.tokenizing import chat_tokens
 from mtpkit.train.config import DataSection
+from mtpkit.train.loss import IGNORE, mtp_targets, shift_labels
 
 
 def docs_of(*lengths, start=1):

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 import mtpkit
-from mtpkit.models.multimodal import load_processor
-from mtpkit.train.config import config_from_dict
-from mtpkit.data.packing import DataError, build_data
-from mtpkit.train.config import MTPSection
-from mtpkit.train.loss import IGNORE, compute_loss, shift_labels
-from mtpkit.datasets.shapes import prepare_shapes
-from mtpkit.train.trainer import Trainer
+from mtpkit.data.build import build_data
 from mtpkit.data.images import batch_rows
+from mtpkit.data.reading import DataError
+from mtpkit.datasets.shapes import prepare_shapes
+from mtpkit.models.multimodal import load_processor
+from mtpkit.train.config import MTPSection, config_from_dict
+from mtpkit.train.loss import IGNORE, compute_loss, shift_labels
+from mtpkit.train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SMALL_TEXT = dict(hidden_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],

@@ -15,9 +15,10 @@ import torch
 from train_runs import TINY_LLAMA, make_tokenizer
 
 from mtpkit.checkpoint.hf import build_model, load_model, save_model
-from mtpkit.data import features as F
+from mtpkit.data.features import FeatureStore, bf16_to_numpy, numpy_to_bf16
+from mtpkit.datasets import features as F
+from mtpkit.datasets.features import build_features
 from mtpkit.train.config import config_from_dict
-from mtpkit.data.features import FeatureStore, build_features
 
 
 def write_records(path: Path, n: int = 24, seed: int = 0, length: int = 0) -> Path:
@@ -74,9 +75,9 @@ def test_stored_hidden_and_topk_equal_a_plain_forward(tiny, tmp_path):
 
 def test_bf16_storage_is_the_rounded_hidden_bit_for_bit():
     h = torch.randn(5, 7)
-    bits = F.bf16_to_numpy(h.to(torch.bfloat16))
+    bits = bf16_to_numpy(h.to(torch.bfloat16))
     assert bits.dtype == np.uint16
-    assert torch.equal(F.numpy_to_bf16(bits), h.to(torch.bfloat16))
+    assert torch.equal(numpy_to_bf16(bits), h.to(torch.bfloat16))
 
 
 def test_a_killed_build_resumes_and_a_mismatch_is_refused(tiny, tmp_path, monkeypatch):

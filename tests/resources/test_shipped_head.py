@@ -11,7 +11,7 @@ from mtpkit.bench.speedup import DEFAULT_HEAD, resource
 from mtpkit.checkpoint.mtp_head import load_mtp_head
 from mtpkit.tokenizer import encode_prompt, load_tokenizer
 from mtpkit.assets import cache_dir
-from mtpkit.data.packing import shakespeare_texts
+from mtpkit.datasets.shakespeare import shakespeare_texts
 from mtpkit.datasets.distill_prompts import build_prompts
 
 pytestmark = pytest.mark.slow

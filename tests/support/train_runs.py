@@ -46,7 +46,7 @@ def make_corpus(root: Path, n_docs: int = 12, seed: int = 0) -> Path:
 
 def make_tokenizer(root: Path, corpus: Path | None = None):
     """A byte-level BPE tokenizer (vocab 320) with a ChatML chat template, saved under root/tok."""
-    from mtpkit.data.packing import train_bpe_tokenizer
+    from mtpkit.datasets.bpe import train_bpe_tokenizer
 
     texts = [f.read_text() for f in sorted(corpus.glob("*.txt"))] if corpus else [" ".join(_WORDS)] * 4
     return train_bpe_tokenizer(texts, 320, root / "tok")

@@ -42,6 +42,7 @@ from ..decode.sampling import SamplingParams
 from ..decode.state import DecodeState
 from ..kernels.linear import routed_linears
 from ..models.parallel_heads import head_outputs
+from .hf_baseline import load_hf_baseline
 
 # Qwen3.5-0.8B's text config (its config.json on the HF hub), 8 of its 24 layers
 QWEN35_08B_8L = dict(
@@ -192,8 +193,6 @@ def print_routing_table(models: dict) -> None:
 
 def print_hf_comparison(model, path: pathlib.Path, args, dtype, label: str) -> float:
     import transformers
-
-    from .speedup import load_hf_baseline
 
     transformers.logging.set_verbosity_error()
     hf = load_hf_baseline(path, dtype)

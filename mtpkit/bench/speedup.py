@@ -24,6 +24,8 @@ from ..assets import is_default_model
 from ..decode.generate import generate
 from ..models.multimodal import image_inputs, open_images
 from ..tokenizer import encode_prompt
+from .decode_step import step_costs
+from .hf_baseline import hf_generate
 
 DEFAULT_PROMPTS = "bench_prompts.jsonl"
 DEFAULT_HEAD = "smollm2_mtp_head.safetensors"
@@ -119,27 +121,6 @@ def _timed(fn):
     return out, time.perf_counter() - start
 
 
-def load_hf_baseline(path: Path, dtype=torch.float32):
-    """The same model through transformers, loaded the way a user would (the `--baseline hf` column)."""
-    from transformers import AutoModelForCausalLM
-
-    if path.suffix == ".gguf":  # transformers dequantises the GGUF; fp32 is its fastest CPU path
-        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
-
-
-def hf_generate(hf_model, ids: list[int], num_tokens: int, eos, prompt_lookup: int = 0) -> list[int]:
-    """transformers' own greedy generate(), as a user would call it. prompt_lookup = N > 0 turns on its
-    prompt-lookup decoding (Saxena 2023, apoorvumang/prompt-lookup-decoding): up to N draft tokens copied from
-    where the last n-gram appeared earlier in the prompt or output, verified by the model; the speculation a
-    user gets without any head."""
-    x = torch.tensor([ids])
-    lookup = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
-    out = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=num_tokens, do_sample=False,
-                            eos_token_id=eos, pad_token_id=eos, **lookup)
-    return out[0, len(ids):].tolist()
-
-
 def spec_configs(ks, min_probs) -> list[tuple[int, float]]:
     """(k, draft_min_prob) of every speculative row: each k at each threshold, and k = 1 once (a step always
     proposes its first draft, so gating cannot change k = 1)."""
@@ -150,8 +131,6 @@ def measure_step_costs(model, k: int, context: int, repeats: int) -> dict[int, d
     """Median ms of a decode step, and for L = 1..k of a verify step over L+1 tokens and of drafting L tokens
     (over the head's draft vocabulary when it carries one, as generate drafts), at `context` tokens of cache
     (`decode_step.step_costs`, the micro-benchmark of docs/MTP.md section 4)."""
-    from .decode_step import step_costs
-
     subset = getattr(model.drafter, "draft_vocab", None)
     vocab = len(subset) if subset is not None else min(4096, model.config.vocab_size)
     rows = step_costs(model, list(range(1, k + 1)), repeats, context, vocab)

@@ -56,9 +56,9 @@ def run(args) -> int:
 
     from ..assets import default_gguf_path
     from ..bench.contexts import context_prompts, python_docs, read_documents
+    from ..bench.hf_baseline import load_hf_baseline
     from ..bench.report import plot, render, render_contexts
-    from ..bench.speedup import (DEFAULT_PROMPTS, encode_prompts, load_hf_baseline, read_prompts, resource,
-                                  run_bench, shipped_head)
+    from ..bench.speedup import DEFAULT_PROMPTS, encode_prompts, read_prompts, resource, run_bench, shipped_head
     from ..checkpoint.hf import load_model
     from ..checkpoint.mtp_head import load_mtp_head
     from ..decode.int8 import model_dtype, quantize_int8

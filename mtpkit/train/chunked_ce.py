@@ -11,14 +11,15 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 
-def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
-    # autocast does not reach inside backward, so the forward's choice is recorded and reapplied there
+def forward_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype the forward's matmuls run in: autocast does not reach inside backward, so the forward records
+    its choice and backward reapplies it."""
     dev = hidden.device.type
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
 
 
-def _chunk_logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    # [c, V]; softmax statistics in at least fp32
+def chunk_logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """One chunk's logits [c, V], in at least fp32 for the softmax statistics."""
     return (h.to(w.dtype) @ w.T).to(torch.promote_types(w.dtype, torch.float32))
 
 
@@ -61,7 +62,7 @@ class _VocabShard:
 class _ChunkedCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk: int, ignore_index: int):
-        dtype = _compute_dtype(hidden)
+        dtype = forward_dtype(hidden)
         shard = _VocabShard(weight)
         with torch.autocast(hidden.device.type, enabled=False):
             w = shard.weight.to(dtype)
@@ -70,7 +71,7 @@ class _ChunkedCE(torch.autograd.Function):
             n_correct = torch.zeros_like(n_valid)
             lse = []
             for s in range(0, hidden.shape[0], chunk):
-                logits = _chunk_logits(hidden[s : s + chunk], w)  # [c, V] (here: [c, V/tp])
+                logits = chunk_logits(hidden[s : s + chunk], w)  # [c, V] (here: [c, V/tp])
                 t = targets[s : s + chunk]
                 valid = t != ignore_index
                 col, here = shard.targets(t, valid)
@@ -105,7 +106,7 @@ class _ChunkedCE(torch.autograd.Function):
                 valid = t != ctx.ignore_index
                 col, here = shard.targets(t, valid)
                 # d(sum of nll)/d(logits) = softmax - onehot(target), zero on ignored rows
-                g = (_chunk_logits(h, w) - lse[s : s + ctx.chunk, None]).exp()
+                g = (chunk_logits(h, w) - lse[s : s + ctx.chunk, None]).exp()
                 g = g.scatter_add_(1, col[:, None], -here[:, None].to(g.dtype))
                 g = (g * (valid[:, None] * grad_loss)).to(ctx.dtype)  # [c, V] (here: [c, V/tp])
                 if need_h:

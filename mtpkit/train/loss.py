@@ -96,6 +96,13 @@ class LossOutput:
     correct: list[int]  # teacher-forced top-1 hits (training-time acceptance estimate)
     counts: list[int]  # valid targets
 
+    @classmethod
+    def from_sums(cls, total: Tensor, sums: list[Tensor], correct: list[Tensor], targets: Targets) -> LossOutput:
+        """The LossOutput of an objective from its per-head CE sums and top-1 hits (two host syncs in all)."""
+        counts = torch.cat([targets.counts, torch.stack(correct)]).tolist()
+        n = len(sums)
+        return cls(total, torch.stack(sums).tolist(), counts[n:], counts[:n])
+
     @property
     def main(self) -> float:
         """Mean main CE of this micro-batch."""
@@ -129,9 +136,10 @@ def model_inputs(batch: dict) -> dict:
     return {**{k: v for k, v in batch.items() if k not in _LOSS_KEYS}, "trunk_hidden": batch.get("hidden")}
 
 
-def _depth_ce(h: Tensor, t: Tensor, depth: int, batch: dict, weight: Tensor, cfg: MTPSection,
-              remap: Tensor | None) -> tuple[Tensor, Tensor]:
-    """(CE sum, correct top-1) of one depth's rows h [B, T-d, H] against t [B, T-d]. MTP depths: a
+def head_ce(h: Tensor, t: Tensor, depth: int, batch: dict, weight: Tensor, cfg: MTPSection,
+            remap: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(CE sum, correct top-1) of one head's rows h [B, T-d, H] against t [B, T-d] (depth 0: the main head; the
+    sequential MTP's depth d or parallel head d otherwise). MTP depths: a
     hard CE on t or, with head_loss = "soft", a soft CE on the trunk's stored top-k at the target (row i + d);
     with a draft vocabulary (weight: its rows; remap: id -> its column, -1 outside), over its columns only: a
     target outside it adds no loss (nothing can score it) but stays a valid target that counts as wrong."""
@@ -155,7 +163,7 @@ def _depth_ce(h: Tensor, t: Tensor, depth: int, batch: dict, weight: Tensor, cfg
     return loss_sum, n_correct
 
 
-def _remap(vocab: Tensor | None, size: int, device) -> Tensor | None:
+def draft_columns(vocab: Tensor | None, size: int, device) -> Tensor | None:
     """[size] table: id -> its column in the draft vocabulary, -1 outside it (None: no draft vocabulary)."""
     if vocab is None:
         return None
@@ -189,7 +197,7 @@ def compute_loss(model, batch: dict, cfg: MTPSection, targets: Targets | None = 
     main_weight = model.output_weight.detach() if cfg.only else model.output_weight
     mtp_weight = model.output_weight.detach() if cfg.only or cfg.detach_trunk else model.output_weight
     vocab = model.drafter.draft_vocab if n else None
-    remap = _remap(vocab, mtp_weight.shape[0], mtp_weight.device)
+    remap = draft_columns(vocab, mtp_weight.shape[0], mtp_weight.device)
     if remap is not None:
         mtp_weight = mtp_weight[vocab.to(mtp_weight.device)]  # [N, H], gathered once for every depth
     terms, sums, correct = [], [], []
@@ -197,21 +205,14 @@ def compute_loss(model, batch: dict, cfg: MTPSection, targets: Targets | None = 
         if d == 0 and not with_main:
             loss_sum, n_correct = torch.full((), float("nan"), device=h.device), torch.zeros_like(targets.counts[0])
         else:
-            loss_sum, n_correct = _depth_ce(h, t, d, batch, mtp_weight if d else main_weight, cfg, remap)
+            loss_sum, n_correct = head_ce(h, t, d, batch, mtp_weight if d else main_weight, cfg, remap)
         norm = targets.counts[d].clamp(min=1) if token_counts is None else max(token_counts[d], 1)
         terms.append(loss_sum / norm)
         sums.append(loss_sum.detach())
         correct.append(n_correct)
     mtp = sum(w * term for w, term in zip(targets.weights, terms[1:]))
     # MTP-only: the main CE is reported but carries no gradient, so it stays out of the objective
-    return _output(mtp if cfg.only else terms[0] + mtp, sums, correct, targets)
-
-
-def _output(total: Tensor, sums: list[Tensor], correct: list[Tensor], targets: Targets) -> LossOutput:
-    """The LossOutput of an objective from its per-head CE sums and top-1 hits (two host syncs in all)."""
-    counts = torch.cat([targets.counts, torch.stack(correct)]).tolist()
-    n = len(sums)
-    return LossOutput(total, torch.stack(sums).tolist(), counts[n:], counts[:n])
+    return LossOutput.from_sums(mtp if cfg.only else terms[0] + mtp, sums, correct, targets)
 
 
 def tau_sim(accuracy: list[float]) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .config import MTPSection
-from .loss import LossOutput, Targets, _depth_ce, _output, _remap, loss_targets, model_inputs
+from .loss import LossOutput, Targets, draft_columns, head_ce, loss_targets, model_inputs
 
 
 def _backward(tensor: torch.Tensor, grad: torch.Tensor | None = None) -> None:
@@ -46,7 +46,7 @@ def parallel_heads_loss(model, batch: dict, cfg: MTPSection, targets: Targets | 
     # MTP-only: lm_head serves every CE as a constant (see compute_loss)
     main_weight = model.output_weight.detach() if cfg.only else model.output_weight
     head_weight = main_weight
-    remap = _remap(heads.draft_vocab, head_weight.shape[0], head_weight.device)
+    remap = draft_columns(heads.draft_vocab, head_weight.shape[0], head_weight.device)
     if remap is not None:
         head_weight = head_weight[heads.draft_vocab.to(head_weight.device)]  # [N, H]
     total, sums, correct = 0.0, [], []
@@ -55,7 +55,7 @@ def parallel_heads_loss(model, batch: dict, cfg: MTPSection, targets: Targets | 
             loss_sum, n_correct = torch.full((), float("nan"), device=leaf.device), torch.zeros_like(targets.counts[0])
         else:
             h = leaf if j == 0 else heads(model, leaf, ctx, j)[:, : t.shape[1]]
-            loss_sum, n_correct = _depth_ce(h, t, j, batch, head_weight if j else main_weight, cfg, remap)
+            loss_sum, n_correct = head_ce(h, t, j, batch, head_weight if j else main_weight, cfg, remap)
         norm = targets.counts[j].clamp(min=1) if token_counts is None else max(token_counts[j], 1)
         term = (1.0 if j == 0 else targets.weights[j - 1]) * loss_sum / norm
         if j or not cfg.only:  # MTP-only: the main CE stays out of the objective
@@ -66,4 +66,4 @@ def parallel_heads_loss(model, batch: dict, cfg: MTPSection, targets: Targets | 
         correct.append(n_correct)
     if backward and leaf.grad is not None:
         _backward(hidden, leaf.grad)
-    return _output(total, sums, correct, targets)
+    return LossOutput.from_sums(total, sums, correct, targets)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .chunked_ce import _chunk_logits, _compute_dtype
+from .chunked_ce import chunk_logits, forward_dtype
 
 
 def _chunk_terms(logits, ids, p, valid):
@@ -38,13 +38,13 @@ def _chunk_terms(logits, ids, p, valid):
 class _ChunkedSoftCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, ids, logprobs, valid, chunk: int):
-        dtype = _compute_dtype(hidden)
+        dtype = forward_dtype(hidden)
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             loss_sum = hidden.new_zeros((), dtype=torch.promote_types(dtype, torch.float32))
             preds = []
             for s in range(0, hidden.shape[0], chunk):
-                logits = _chunk_logits(hidden[s : s + chunk], w)
+                logits = chunk_logits(hidden[s : s + chunk], w)
                 sl = slice(s, s + chunk)
                 loss, *_ = _chunk_terms(logits, ids[sl], logprobs[sl].to(logits.dtype).exp(), valid[sl])
                 loss_sum += loss.sum()
@@ -66,7 +66,7 @@ class _ChunkedSoftCE(torch.autograd.Function):
             for s in range(0, hidden.shape[0], ctx.chunk):
                 sl = slice(s, s + ctx.chunk)
                 h = hidden[sl]
-                logits = _chunk_logits(h, w)
+                logits = chunk_logits(h, w)
                 _, rest_logits, rest_lse, p, p_rest = _chunk_terms(logits, ids[sl], logprobs[sl].to(logits.dtype).exp(),
                                                                    valid[sl])
                 total = p.sum(-1) + p_rest  # 1 on valid rows (0 elsewhere), up to the teacher's rounding

@@ -15,6 +15,7 @@ import torch
 from ...checkpoint.hf import build_model
 from ...decode.cache import Cache
 from ...decode.generate import generate
+from ...models.mtp import is_mtp_param
 from .common import (Budget, free_memory, guarded, median_seconds, peak_bandwidth, quiet_transformers, rel_max, skipped,
                      sync)
 from .correctness import first_divergence
@@ -27,7 +28,7 @@ def decode_bytes(model, batch: int, context: int) -> int:
     """Bytes one decode step must move at least: every trunk weight read once (a tied embedding as the lm_head,
     an untied one only gathered), each row's Gated DeltaNet states read and written, its KV cache read."""
     c = model.config
-    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("mtp."))
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not is_mtp_param(n))
     if not c.tie_word_embeddings:
         emb = model.model.embed_tokens.weight
         weights -= emb.numel() * emb.element_size()

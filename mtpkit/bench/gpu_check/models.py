@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ...models.mtp import is_mtp_param
 from ..train_memory import QWEN35_SIZES, qwen35_config
 
 VOCAB = 256
@@ -96,7 +97,7 @@ def hf_twin(model, raw: dict) -> torch.nn.Module:
     with torch.device(weight.device):
         hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw), dtype=weight.dtype)
     hf = hf.to(weight.device).eval()
-    state = {k: v for k, v in checkpoint_state_dict(model).items() if not k.startswith("mtp.")}
+    state = {k: v for k, v in checkpoint_state_dict(model).items() if not is_mtp_param(k)}
     missing, unexpected = hf.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:

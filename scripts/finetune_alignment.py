@@ -29,7 +29,6 @@ import torch
 
 import mtpkit
 from mtpkit.assets import cache_dir, default_gguf_path
-from mtpkit.bench.report import _pyplot, _save
 from mtpkit.bench.speedup import DEFAULT_HEAD, DEFAULT_PROMPTS, Prompt, encode_prompts, read_prompts, resource, run_bench
 from mtpkit.checkpoint.graft import graft
 from mtpkit.checkpoint.hf import save_model
@@ -195,7 +194,11 @@ def _by_arm(results: dict) -> dict[str, list[dict]]:
 
 def plot(results: dict, path: Path) -> Path:
     """Mean acceptance length against k per arm (domain and general prompts; seeds averaged) and the held-out loss."""
-    plt = _pyplot()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     arms = _by_arm(results)
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, where in zip(axes, ("domain", "general")):
@@ -209,7 +212,10 @@ def plot(results: dict, path: Path) -> Path:
     axes[2].bar(names, [sum(r["held_out_loss"] for r in arms[a]) / len(arms[a]) for a in names])
     lo = min(r["held_out_loss"] for rs in arms.values() for r in rs)
     axes[2].set(title="held-out main loss (3 plays)", ylim=(lo - 0.1, None))
-    return _save(fig, path)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def table(results: dict) -> str:

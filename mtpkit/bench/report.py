@@ -15,10 +15,16 @@ def _short(text: str, n: int) -> str:
     return flat if len(flat) <= n else flat[: n - 1] + "…"
 
 
+def _pct(x) -> str:
+    """A rate as a percentage; "-" where there was nothing to rate (a prompt that stopped before any draft)."""
+    return "-" if x is None else f"{x:.0%}"
+
+
 def label(run: dict) -> str:
-    """k=3, or k=3 p=0.3 when drafting was gated."""
-    p = run.get("draft_min_prob") or 0
-    return f"k={run['draft_tokens']}" + (f" p={p:g}" if p else "")
+    """k=3, k=3 p=0.3 when drafting was gated, k=3 w=3,2 for a draft tree of those widths."""
+    p, widths = run.get("draft_min_prob") or 0, run.get("draft_widths")
+    return (f"k={run['draft_tokens']}" + (f" p={p:g}" if p else "")
+            + (f" w={','.join(map(str, widths))}" if widths else ""))
 
 
 def _baseline_lines(report: dict, best: dict) -> list[str]:
@@ -37,14 +43,17 @@ def _baseline_lines(report: dict, best: dict) -> list[str]:
 
 def _table(runs: list[dict], mark: dict) -> list[str]:
     gated = any(r.get("draft_min_prob") for r in runs)
-    head = (f"  {'k':>3}" + (f" {'p':>5}" if gated else "") + f" {'base t/s':>9} {'spec t/s':>9} {'speedup':>8} "
+    trees = any(r.get("draft_widths") for r in runs)
+    width = max(len(label(r)) for r in runs)
+    head = (f"  {'row':<{width}}" + (f" {'verified':>8}" if trees else "")
+            + f" {'base t/s':>9} {'spec t/s':>9} {'speedup':>8} "
             f"{'accept':>7} {'mean len':>9} {'break-even':>11}" + (f" {'drafts/step':>12}" if gated else "")
             + "  per-position acceptance   output")
     lines = [head, "  " + "-" * (len(head) - 2)]
     for r in runs:
         pos = " ".join(f"{a:.2f}" for a in r["accepted_per_position"])
         be = "-" if r.get("break_even") is None else f"{r['break_even']:.2f}"
-        lines.append(f"  {r['draft_tokens']:>3}" + (f" {r.get('draft_min_prob') or 0:>5g}" if gated else "")
+        lines.append(f"  {label(r):<{width}}" + (f" {r['verified_tokens_per_step']:>8.2f}" if trees else "")
                      + f" {r['baseline_tokens_per_s']:>9.1f} {r['spec_tokens_per_s']:>9.1f} {r['speedup']:>7.2f}× "
                      f"{r['acceptance_rate']:>6.0%} {r['mean_acceptance_length']:>9.2f} {be:>11}"
                      + (f" {r['drafted_per_step']:>12.2f}" if gated else "") + f"  {pos:<24} "
@@ -94,19 +103,20 @@ def render(report: dict, decode, samples: int = 4) -> str:
     ]
     lines += _baseline_lines(report, best)
     lines += ["", "  Per draft length (break-even: the mean acceptance length at which speculation pays, from timed "
-              "step costs)", *_table(runs, mark)]
+              "step costs;", "  w: a draft tree's tokens per draft position, verified: tokens per verify forward)",
+              *_table(runs, mark)]
     lines += _difference_lines(report)
     lines += ["", f"  Sample generations ({label(best)}; plain and speculative produce the same text)",
               "  " + "-" * 74]
     for i, (s, pp) in enumerate(zip(report["samples"][:samples], best["per_prompt"][:samples]), 1):
         lines += [f"  [{i}] {_short(s['prompt'], 72)}", f"      {_short(decode(s['output_ids']), 300)}",
-                  f"      {pp['speedup']:.2f}× · accept {pp['acceptance_rate']:.0%} · {mark[pp['identical']]}"]
+                  f"      {pp['speedup']:.2f}× · accept {_pct(pp['acceptance_rate'])} · {mark[pp['identical']]}"]
     lines += ["", f"  Per-prompt metrics ({label(best)})",
               f"  {'prompt':<34} {'kind':<6} {'base t/s':>9} {'spec t/s':>9} {'speedup':>8} {'accept':>7}",
               "  " + "-" * 74]
     for pp in best["per_prompt"]:
         lines.append(f"  {_short(pp['prompt'], 34):<34} {pp['kind']:<6} {pp['baseline_tokens_per_s']:>9.1f} "
-                     f"{pp['spec_tokens_per_s']:>9.1f} {pp['speedup']:>7.2f}× {pp['acceptance_rate']:>6.0%}")
+                     f"{pp['spec_tokens_per_s']:>9.1f} {pp['speedup']:>7.2f}× {_pct(pp['acceptance_rate']):>6}")
     lines.append(f"  {'OVERALL':<41} {best['baseline_tokens_per_s']:>9.1f} {best['spec_tokens_per_s']:>9.1f} "
                  f"{best['speedup']:>7.2f}× {best['acceptance_rate']:>6.0%}")
     lines.append(RULE)
@@ -165,7 +175,9 @@ def plot(report: dict, path) -> Path:
     a.legend()
     b.bar([label(r) for r in runs], [r["speedup"] for r in runs], color="tab:green")
     b.axhline(1.0, color="gray", lw=1)
-    b.set(xlabel="draft tokens k (p: draft_min_prob)", ylabel="speedup over plain decoding", title="Speedup")
+    b.set(xlabel="draft tokens k (p: draft_min_prob, w: draft tree widths)", ylabel="speedup over plain decoding",
+          title="Speedup")
+    b.tick_params(axis="x", labelrotation=30 if len(runs) > 4 else 0)
     fig.suptitle(f"{report['model']}, {report['num_tokens']} tokens, {report['dtype']}, {report['device']}")
     return _save(fig, path)
 

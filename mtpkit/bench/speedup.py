@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from ..assets import is_default_model
 from ..decode.generate import generate
+from ..decode.tree import normalize_widths, verified_tokens
 from ..models.multimodal import image_inputs, open_images
 from ..tokenizer import encode_prompt
 from .decode_step import step_costs
@@ -121,39 +122,44 @@ def _timed(fn):
     return out, time.perf_counter() - start
 
 
-def spec_configs(ks, min_probs) -> list[tuple[int, float]]:
-    """(k, draft_min_prob) of every speculative row: each k at each threshold, and k = 1 once (a step always
-    proposes its first draft, so gating cannot change k = 1)."""
-    return sorted({(k, float(p) if k > 1 else 0.0) for k in ks for p in min_probs})
+def spec_configs(ks, min_probs, widths=((),)) -> list[tuple[int, float, tuple[int, ...]]]:
+    """(k, draft_min_prob, draft widths) of every speculative row: each k at each threshold and tree shape, k = 1
+    once per shape (a step always proposes its first draft, so gating cannot change k = 1), and each shape cut to
+    k (`tree.normalize_widths`: () is the chain)."""
+    return sorted({(k, float(p) if k > 1 else 0.0, normalize_widths(w, k)) for k in ks for p in min_probs
+                   for w in widths})
 
 
-def measure_step_costs(model, k: int, context: int, repeats: int) -> dict[int, dict]:
+def measure_step_costs(model, k: int, context: int, repeats: int, verified: int = 0) -> dict[int, dict]:
     """Median ms of a decode step, and for L = 1..k of a verify step over L+1 tokens and of drafting L tokens
     (over the head's draft vocabulary when it carries one, as generate drafts), at `context` tokens of cache
-    (`decode_step.step_costs`, the micro-benchmark of docs/MTP.md section 4)."""
+    (`decode_step.step_costs`, the micro-benchmark of docs/MTP.md section 4); L runs on to verified - 1 where
+    a draft tree verifies up to `verified` tokens (a tree's verify costs a chain's of as many tokens)."""
     subset = getattr(model.drafter, "draft_vocab", None)
     vocab = len(subset) if subset is not None else min(4096, model.config.vocab_size)
-    rows = step_costs(model, list(range(1, k + 1)), repeats, context, vocab)
+    rows = step_costs(model, list(range(1, max(k, verified - 1) + 1)), repeats, context, vocab)
     drafting = "full" if subset is None else "subset"
     return {r["k"]: {"k": r["k"], "decode": r["decode"], "verify": r["verify"], "draft": r[drafting]} for r in rows}
 
 
-def break_even(costs: dict[int, dict], draft_lengths: list[float]) -> float:
+def break_even(costs: dict[int, dict], draft_lengths: list[float], widths: tuple[int, ...] = ()) -> float:
     """The mean acceptance length at which speculation matches plain decoding: a step that drafts L tokens
-    costs verify(L+1) + draft(L) and a plain step decode(1), weighted by the share of steps that drafted L
-    (all k without gating)."""
-    step = sum(f * (costs[L]["verify"] + costs[L]["draft"]) for L, f in enumerate(draft_lengths, 1) if f)
+    costs verify(T_L) + draft(L) and a plain step decode(1), weighted by the share of steps that drafted L
+    (all k without gating); T_L = L + 1 for a chain, plus the alternatives of a draft tree."""
+    step = sum(f * (costs[verified_tokens(widths, L) - 1]["verify"] + costs[L]["draft"])
+               for L, f in enumerate(draft_lengths, 1) if f)
     return step / costs[1]["decode"]
 
 
-def run_bench(model, prompts: list[Prompt], *, num_tokens: int, ks: list[int], min_probs=(0.0,),
+def run_bench(model, prompts: list[Prompt], *, num_tokens: int, ks: list[int], min_probs=(0.0,), widths=((),),
               temperature: float = 0.0, repeats: int = 3, seed: int = 0, eos_token_id=None, hf_model=None,
               baselines=("hf",), prompt_lookup: int = 10, step_repeats: int = 5, progress: bool = True) -> dict:
-    """Measure every prompt under plain decoding, speculative decoding for each (k, draft_min_prob) and, with
+    """Measure every prompt under plain decoding, speculative decoding for each (k, draft_min_prob, draft widths:
+    the chain (), or a draft tree's widths per position) and, with
     hf_model, the transformers baselines ("hf": greedy generate(), "pld": with prompt_lookup_num_tokens =
     prompt_lookup). step_repeats > 0 also times the step costs behind each row's break-even acceptance length,
     at the prompts' median length + num_tokens / 2. Returns the per-prompt and per-row figures (see `summarise`)."""
-    specs = spec_configs(ks, min_probs)
+    specs = spec_configs(ks, min_probs, widths)
     extra = list(baselines) if hf_model is not None else []
     configs = [0, *specs, *extra]
 
@@ -161,10 +167,10 @@ def run_bench(model, prompts: list[Prompt], *, num_tokens: int, ks: list[int], m
         if cfg in ("hf", "pld"):
             lookup = prompt_lookup if cfg == "pld" else 0
             return _timed(lambda: (hf_generate(hf_model, p.ids, num_tokens, eos_token_id, lookup), None))
-        k, min_prob = cfg or (0, 0.0)
+        k, min_prob, shape = cfg or (0, 0.0, ())
         res, sec = _timed(lambda: generate(model, [p.inputs or p.ids], max_new_tokens=num_tokens, draft_tokens=k,
-                                           draft_min_prob=min_prob, temperature=temperature, seed=seed,
-                                           eos_token_id=eos_token_id))
+                                           draft_min_prob=min_prob, draft_widths=shape, temperature=temperature,
+                                           seed=seed, eos_token_id=eos_token_id))
         return (res.tokens[0], res.stats), sec
 
     for cfg in configs:  # warm-up: first-call allocations and lazy initialisation stay out of the timings
@@ -184,7 +190,8 @@ def run_bench(model, prompts: list[Prompt], *, num_tokens: int, ks: list[int], m
     costs = None
     if step_repeats:
         context = int(statistics.median(len(p.ids) for p in prompts)) + num_tokens // 2
-        costs = measure_step_costs(model, max(ks), context, step_repeats)
+        most = max(verified_tokens(w, k) for k, _, w in specs)
+        costs = measure_step_costs(model, max(ks), context, step_repeats, most)
     greedy = temperature == 0
     gaps = first_differences(model, prompts, outputs, [*specs, *extra]) if greedy else {}
     report = summarise(prompts, specs, outputs, median, baselines=extra, greedy=greedy, costs=costs, gaps=gaps)
@@ -224,7 +231,7 @@ def summarise(prompts, specs, outputs, median, *, baselines=(), greedy: bool, co
     base_tps = _rate(sum(base_tokens), sum(median[0, i] for i in range(n)))
     runs = []
     for cfg in specs:
-        k, min_prob = cfg
+        k, min_prob, widths = cfg
         stats = [outputs[cfg, i][1] for i in range(n)]
         steps = sum(s["verification_steps"] for s in stats)
         accepted = sum(s["accepted"] for s in stats)
@@ -249,6 +256,10 @@ def summarise(prompts, specs, outputs, median, *, baselines=(), greedy: bool, co
         runs.append({
             "draft_tokens": k,
             "draft_min_prob": min_prob,
+            "draft_widths": list(widths),
+            "verified_tokens_per_step": sum((s["verified_tokens_per_step"] or 0) * s["verification_steps"]
+                                            for s in stats) / max(steps, 1),
+            "accepted_alternatives": sum(s["accepted_alternatives"] for s in stats),
             "prompts": n,
             "baseline_tokens_per_s": base_tps,
             "spec_tokens_per_s": spec_tps,
@@ -258,7 +269,7 @@ def summarise(prompts, specs, outputs, median, *, baselines=(), greedy: bool, co
             "accepted_per_position": per_pos,
             "drafted_per_step": drafted / steps if steps else 0.0,
             "draft_lengths": lengths,  # share of steps that proposed j = 1..k drafts (the stop distribution)
-            "break_even": break_even(costs, lengths) if costs and steps else None,
+            "break_even": break_even(costs, lengths, widths) if costs and steps else None,
             "identical": all(pp["identical"] for pp in per_prompt) if greedy else None,
             "identical_prompts": sum(bool(pp["identical"]) for pp in per_prompt),
             "per_prompt": per_prompt,

@@ -22,6 +22,10 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-min-prob", default="0",
                    help="comma-separated thresholds p for confidence-gated drafting (a row stops drafting after a "
                         "draft the head gives probability < p; 0: off); one row per k and p")
+    p.add_argument("--draft-widths", nargs="+", default=[], metavar="W[,W...]",
+                   help="draft trees to measure besides the chain, one per value: tokens per draft position (e.g. "
+                        "3 or 3,2: the head's top 3 at position 1, top 2 at 2, the draft alone after); each k runs "
+                        "with each; attention-only trunks (docs/MTP.md section 4)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and configuration (median)")
     p.add_argument("--baseline", help="comma-separated rows from transformers on the same model: hf (greedy "
@@ -57,11 +61,12 @@ def run(args) -> int:
     from ..assets import default_gguf_path
     from ..bench.contexts import context_prompts, python_docs, read_documents
     from ..bench.hf_baseline import load_hf_baseline
-    from ..bench.report import plot, render, render_contexts
+    from ..bench.report import label, plot, render, render_contexts
     from ..bench.speedup import DEFAULT_PROMPTS, encode_prompts, read_prompts, resource, run_bench, shipped_head
     from ..checkpoint.hf import load_model
     from ..checkpoint.mtp_head import load_mtp_head
     from ..decode.int8 import model_dtype, quantize_int8
+    from ..decode.tree import normalize_widths
     from ..models.multimodal import load_processor
     from ..tokenizer import load_tokenizer
 
@@ -71,6 +76,7 @@ def run(args) -> int:
     min_probs = sorted(set(_numbers(args.draft_min_prob, float, "--draft-min-prob"))) or [0.0]
     if not all(0 <= p <= 1 for p in min_probs):
         raise ValueError(f"--draft-min-prob values must be in [0, 1], got {args.draft_min_prob!r}")
+    widths = [(), *(normalize_widths(_numbers(w, int, "--draft-widths"), ks[-1]) for w in args.draft_widths)]
     baselines = [b.strip() for b in (args.baseline or "").split(",") if b.strip()]
     if set(baselines) - {"hf", "pld"}:
         raise ValueError(f"--baseline takes hf and/or pld (comma-separated), got {args.baseline!r}")
@@ -101,7 +107,7 @@ def run(args) -> int:
         quantize_int8(model)
     tokenizer = load_tokenizer(path)
     hf = load_hf_baseline(path, dtype) if baselines else None
-    bench = dict(num_tokens=args.num_tokens, ks=ks, min_probs=min_probs, temperature=args.temperature,
+    bench = dict(num_tokens=args.num_tokens, ks=ks, min_probs=min_probs, widths=widths, temperature=args.temperature,
                  repeats=args.repeats, eos_token_id=tokenizer.eos_token_id, hf_model=hf, baselines=baselines,
                  prompt_lookup=args.prompt_lookup_tokens, step_repeats=args.step_repeats)
     if lengths:
@@ -131,8 +137,8 @@ def run(args) -> int:
     if args.plot:
         plot(report, args.plot)
     runs = [r for c in report.get("contexts", [report]) for r in c["runs"]]
-    failed = sorted({(r["draft_tokens"], r["draft_min_prob"]) for r in runs if r["identical"] is False})
+    failed = sorted({label(r) for r in runs if r["identical"] is False})
     if failed:
-        print(f"mtpkit bench: error: speculative output differed from plain decoding at (k, p) = {failed}")
+        print(f"mtpkit bench: error: speculative output differed from plain decoding at {', '.join(failed)}")
         return 1
     return 0

@@ -23,6 +23,9 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-tokens", type=int, default=0, help="tokens drafted per step by the MTP head (0: plain)")
     p.add_argument("--draft-min-prob", type=float, default=0.0,
                    help="stop a step's drafting after a draft the head gives less than this probability (0: off)")
+    p.add_argument("--draft-widths", default="", metavar="W[,W...]",
+                   help="verify a draft tree: tokens per draft position, e.g. 3,2 (the head's top 3 at position 1, "
+                        "top 2 at 2); attention-only trunks")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -68,6 +71,9 @@ def stats_line(stats: dict, k: int, gated: bool = False) -> str:
                  f"{stats['mean_acceptance_length']:.2f}")
         if gated:
             line += f", {stats['drafted_per_step']:.2f} drafts per step"
+        if stats["accepted_alternatives"]:
+            line += (f", {stats['verified_tokens_per_step']:.2f} tokens verified per step, "
+                     f"{stats['accepted_alternatives']} alternatives kept")
     return line
 
 
@@ -99,10 +105,17 @@ def run(args) -> int:
     result = generate(
         model, [prompt], max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens,
         draft_min_prob=args.draft_min_prob, draft_vocab="full" if args.full_vocab else None,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        draft_widths=_widths(args.draft_widths), temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         eos_token_id=tokenizer.eos_token_id, on_tokens=stream,
     )
     stream.close()
     print()
     print(stats_line(result.stats, args.draft_tokens, gated=args.draft_min_prob > 0))
     return 0
+
+
+def _widths(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(w) for w in text.split(",") if w.strip())
+    except ValueError:
+        raise ValueError(f"--draft-widths takes comma-separated integers, e.g. 3,2, got {text!r}") from None

@@ -26,7 +26,7 @@ def draft(hidden: torch.Tensor, head: spec.DraftHead, generator) -> spec.Drafts:
     gating a row proposes its drafts up to its first unconfident one, as the sequential path does; without,
     count = K = k."""
     B, k, H = hidden.shape
-    ids, q, sure = head(hidden.reshape(B * k, H), generator)  # one lm_head product for every head
+    ids, q, sure, _ = head(hidden.reshape(B * k, H), generator)  # one lm_head product for every head
     drafts, q = ids.view(B, k), None if q is None else q.view(B, k, -1)
     if sure is None:
         return spec.Drafts(drafts, q, torch.full((B,), k, dtype=torch.long, device=hidden.device))

@@ -26,6 +26,12 @@ class KVCache:
         self.v[rows, positions] = v.to(self.v.dtype)
         return self.k[:, :length], self.v[:, :length]
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Row b's K/V at slot src[b] to slot dst[b]."""
+        rows = torch.arange(src.shape[0], device=src.device)
+        self.k[rows, dst] = self.k[rows, src]
+        self.v[rows, dst] = self.v[rows, src]
+
     def rows(self, idx: slice) -> "KVCache":
         view = KVCache.__new__(KVCache)
         view.k, view.v = self.k[idx], self.v[idx]
@@ -93,6 +99,13 @@ class Cache:
     def commit(self, keep: torch.Tensor) -> None:
         for s in self.gdn_states():
             s.commit(keep)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every trunk attention layer: row b's K/V at slot src[b] to slot dst[b] (an accepted tree node moved to
+        the slot after the tokens before it)."""
+        for s in self.layers:
+            if isinstance(s, KVCache):
+                s.copy_slots(src, dst)
 
     def rows(self, idx: slice) -> "Cache":
         """A view of some batch rows (writes go through), e.g. to prefill prompts of different lengths."""

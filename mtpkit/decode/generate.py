@@ -22,6 +22,7 @@ from ..models.parallel_heads import head_outputs
 from ..models.vlm import VISION_INPUTS
 from . import blockwise
 from . import speculative as spec
+from . import tree
 from .cache import Cache
 from ..kernels.linear import routed_linears
 from .matmul_routing import router_for
@@ -37,7 +38,9 @@ class GenerateResult:
     accepted_per_position [k], acceptance_rate = accepted / drafted, mean_acceptance_length = 1 + accepted /
     verification_steps, per_position_acceptance [k] = accepted at draft position j / verification_steps,
     drafted_per_step = drafted / verification_steps, draft_lengths [k] = verification steps that proposed j
-    drafts (the stop distribution), seconds (prefill included), tokens_per_second."""
+    drafts (the stop distribution), seconds (prefill included), tokens_per_second; with draft trees also
+    verified_tokens_per_step (what a row puts in a verify forward: its last token, drafts and, in a draft tree,
+    their alternatives) and accepted_alternatives (steps whose last accepted token was a tree's alternative)."""
 
     tokens: list[list[int]]  # per row: the new token ids, ending with EOS when one was produced
     stats: dict
@@ -78,6 +81,7 @@ class _Bookkeeper:
         self.live = list(range(batch))  # original row index of each batch row still decoding
         self.k, self.max_new, self.eos, self.on_tokens = k, max_new, eos, on_tokens
         self.forward_passes = self.steps = self.accepted = self.drafted = 0
+        self.alternatives = self.verified = 0  # draft trees only
         self.accepted_per_position = [0] * k
         self.draft_lengths = [0] * k
 
@@ -123,6 +127,8 @@ class _Bookkeeper:
             "per_position_acceptance": [a / self.steps for a in self.accepted_per_position] if self.steps else [],
             "drafted_per_step": drafted / self.steps if self.steps else None,
             "draft_lengths": list(self.draft_lengths),
+            "accepted_alternatives": self.alternatives,
+            "verified_tokens_per_step": self.verified / self.steps if self.steps else None,
             "seconds": seconds,
             "tokens_per_second": new / seconds if seconds > 0 else 0.0,
         }
@@ -177,6 +183,7 @@ def generate(
     eos_token_id: int | Sequence[int] | None = None,
     draft_vocab: torch.Tensor | str | None = None,
     draft_min_prob: float = 0.0,
+    draft_widths: Sequence[int] = (),
     on_tokens: Callable[[int, list[int]], None] | None = None,
 ) -> GenerateResult:
     """Decode up to max_new_tokens new tokens per prompt (rows of token ids, or for a vision-language model
@@ -188,6 +195,9 @@ def generate(
     vocabulary.
     `draft_min_prob` = p > 0 gates drafting: a row stops after its first draft whose head probability is below p
     (see `speculative.DraftHead`); output is unchanged, fewer drafts are wasted.
+    `draft_widths` = (w_1, w_2, ...) verifies a draft tree (`decode/tree.py`): at draft position d the head's
+    w_d - 1 next most likely tokens besides the chain's draft (positions past the list: the draft only); the
+    trunk must have attention layers only. Output is unchanged; each step verifies 1 + k + sum(w_d - 1) tokens.
     `on_tokens(row, ids)` is called with every row's new tokens as they are produced (for streaming)."""
     params = SamplingParams(temperature, top_k, top_p)
     cfg = model.config
@@ -204,6 +214,15 @@ def generate(
                          f"per draft: use draft_tokens <= {len(model.mtp_heads.layers)}")
     if draft_min_prob and not k:
         raise ValueError("draft_min_prob gates speculative drafting: give draft_tokens >= 1 as well")
+    widths = tree.normalize_widths(draft_widths, k)
+    if any(w > 1 for w in draft_widths) and not k:
+        raise ValueError("draft_widths shapes a draft tree: give draft_tokens >= 1 as well")
+    if widths and model.mtp_heads is not None:
+        raise ValueError("draft_widths extends the sequential MTP's chain; parallel heads draft one block: "
+                         "leave draft_widths out")
+    if widths and "linear_attention" in cfg.layer_types:
+        raise ValueError(f"draft_widths needs a trunk of attention layers, but {cfg.model_type} has Gated DeltaNet "
+                         "layers (they read tokens in order and cannot verify a tree): leave draft_widths out")
     longest = max(map(len, rows))
     if longest + max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(
@@ -220,10 +239,13 @@ def generate(
     elif draft_vocab is None and model.drafter is not None:
         draft_vocab = model.drafter.draft_vocab
     head = spec.DraftHead(model, params, draft_vocab, draft_min_prob) if k else None
+    if widths and max(widths) > (len(head.vocab) if head.vocab is not None else cfg.vocab_size):
+        raise ValueError(f"draft_widths {list(widths)} asks for more tokens per position than the draft vocabulary "
+                         "holds")
 
     book = _Bookkeeper(len(rows), k, max_new_tokens, eos, on_tokens)
     with routed_linears(router_for(model)):
-        return _decode(model, rows, vision, book, params, generator, head)
+        return _decode(model, rows, vision, book, params, generator, head, widths)
 
 
 def _plain_step(model, state: DecodeState, params: SamplingParams, generator) -> StepResult:
@@ -236,10 +258,11 @@ def _plain_step(model, state: DecodeState, params: SamplingParams, generator) ->
                       draft_hidden=None)
 
 
-def _decode(model, rows, vision, book: _Bookkeeper, params, generator, head) -> GenerateResult:
+def _decode(model, rows, vision, book: _Bookkeeper, params, generator, head, widths=()) -> GenerateResult:
     start = time.perf_counter()
     k, weight = book.k, model.output_weight
-    cache = Cache(model.config, len(rows), max(map(len, rows)) + book.max_new + k + 1, weight.dtype, weight.device)
+    most = tree.verified_tokens(widths, k)  # tokens a verify forward writes at most
+    cache = Cache(model.config, len(rows), max(map(len, rows)) + book.max_new + most, weight.dtype, weight.device)
     state = _prefill(model, cache, rows, vision, params, generator, k)
     keep = book.emit([[t] for t in state.last.tolist()])
     while keep:
@@ -247,12 +270,19 @@ def _decode(model, rows, vision, book: _Bookkeeper, params, generator, head) -> 
             state = state.select(keep)
         if k == 0:
             result = _plain_step(model, state, params, generator)
+        elif widths:
+            result = tree.step(model, state, k=k, widths=widths, head=head, params=params, generator=generator)
         else:
             step = blockwise.step if model.mtp_heads is not None else spec.step
             result = step(model, state, k=k, head=head, params=params, generator=generator)
         book.forward_passes += 1
         # the one device read of the step
-        host = torch.cat([result.accepted[:, None], result.drafted[:, None], result.tokens], dim=1).tolist()
-        keep = book.emit([h[2 : h[0] + 3] for h in host], [(h[0], h[1]) for h in host] if k else None)
+        flags = result.alternative if result.alternative is not None else torch.zeros_like(result.accepted)
+        host = torch.cat([result.accepted[:, None], result.drafted[:, None], flags[:, None].long(), result.tokens],
+                         dim=1).tolist()
+        if k:
+            book.alternatives += sum(h[2] for h in host)
+            book.verified += sum(tree.verified_tokens(widths, h[1]) for h in host)
+        keep = book.emit([h[3 : h[0] + 4] for h in host], [(h[0], h[1]) for h in host] if k else None)
         state = state.advanced(result, [h[0] for h in host])
     return GenerateResult(book.tokens, book.stats(time.perf_counter() - start), book.accept_lengths)

@@ -66,39 +66,55 @@ class DraftHead:
                 self.projection = self.projection.rows(self.vocab)
         self.weight = weight
 
-    def __call__(self, hidden: torch.Tensor, generator):
-        """MTP output [B, H] -> draft ids [B], q [B, V] over the full vocabulary (None when greedy) and, when
-        gating, whether each row's draft is confident enough to draft on after it [B] bool (else None)."""
+    def __call__(self, hidden: torch.Tensor, generator, width: int = 1) -> HeadDraft:
+        """MTP output [B, H] -> one draft per row, its q, its gate and, for width w > 1, the w - 1 next most likely
+        ids (see `HeadDraft`)."""
         logits = linear(hidden, self.weight) if self.projection is None else self.projection(hidden)  # [B, V or N]
         if self.params.greedy:
-            idx = logits.argmax(dim=-1)
+            top = logits.topk(width, dim=-1).indices if width > 1 else logits.argmax(dim=-1, keepdim=True)
+            idx, others = top[:, 0], (self._ids(top[:, 1:]) if width > 1 else None)
             sure = None
             if self.min_prob:  # softmax at the argmax = exp(max - logsumexp): one pass over the draft vocabulary
-                top = logits.gather(1, idx[:, None])[:, 0].float()
-                sure = (top - logits.float().logsumexp(dim=-1)).exp() >= self.min_prob
-            return (idx if self.vocab is None else self.vocab[idx]), None, sure
+                best = logits.gather(1, idx[:, None])[:, 0].float()
+                sure = (best - logits.float().logsumexp(dim=-1)).exp() >= self.min_prob
+            return HeadDraft(self._ids(idx), None, sure, others)
         q = probs(logits, self.params)
         idx = sample(q, generator)
         sure = q.gather(1, idx[:, None])[:, 0] >= self.min_prob if self.min_prob else None
-        if self.vocab is None:
-            return idx, q, sure
-        full = q.new_zeros(q.shape[0], self.vocab_size).index_copy_(1, self.vocab, q)
-        return self.vocab[idx], full, sure
+        # the most likely ids besides the one drawn (q of the drawn one set below any probability)
+        others = self._ids(q.scatter(1, idx[:, None], -1.0).topk(width - 1, dim=-1).indices) if width > 1 else None
+        if self.vocab is not None:
+            q = q.new_zeros(q.shape[0], self.vocab_size).index_copy_(1, self.vocab, q)
+        return HeadDraft(self._ids(idx), q, sure, others)
+
+    def _ids(self, idx: torch.Tensor) -> torch.Tensor:
+        """Indices into the drafting rows -> token ids."""
+        return idx if self.vocab is None else self.vocab[idx]
+
+
+class HeadDraft(NamedTuple):
+    ids: torch.Tensor  # [B] the draft of each row
+    q: torch.Tensor | None  # [B, V] the draft distribution over the full vocabulary; None when greedy
+    sure: torch.Tensor | None  # [B] bool, when gating: the draft is confident enough to draft on after it
+    others: torch.Tensor | None  # [B, w - 1] the next most likely ids, most likely first, for a draft tree
 
 
 class Drafts(NamedTuple):
     tokens: torch.Tensor  # [B, K] (K = max(count) <= k)
     q: torch.Tensor | None  # [B, K, V] the draft distributions over the full vocabulary; None when greedy
     count: torch.Tensor  # [B] drafts each row proposed: its first count[b] (the rest of a gated batch's are padding)
+    # [B, sum(w_d - 1) over d <= K]: the alternatives of a draft tree, depth 1's first; None for a chain
+    alternatives: torch.Tensor | None = None
 
 
-def draft(model, state: DecodeState, *, k: int, head: DraftHead, generator) -> Drafts:
+def draft(model, state: DecodeState, *, k: int, head: DraftHead, generator, widths: tuple[int, ...] = ()) -> Drafts:
     """Up to k draft tokens per row, chaining the MTP from `state.draft_hidden` [B, H], its depth-1 output at
     slot - 1 (which predicts the token after `state.last`). With gating a row stops after its first draft that is
     not confident; once every row has stopped the remaining draft steps are skipped (one device read per step).
-    Without gating count = K = k."""
+    Without gating count = K = k. `widths[d - 1]` = w > 1 also returns the head's w - 1 next most likely tokens at
+    depth d as `alternatives` (a draft tree, `decode/tree.py`); the chain follows the first draft only."""
     hidden = state.draft_hidden
-    tokens, qs = [], []
+    tokens, qs, others = [], [], []
     going = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)  # row drafts at this depth
     count = torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device)
     for depth in range(1, k + 1):
@@ -109,13 +125,16 @@ def draft(model, state: DecodeState, *, k: int, head: DraftHead, generator) -> D
             slots = state.slots(1, offset=depth - 2)
             hidden = model.mtp_step(tokens[-1][:, None], hidden[:, None], state.rope_positions(slots), depth,
                                     state.cache, slots, kv_len=state.top_slot + depth - 1)[:, 0]
-        token, q, sure = head(hidden, generator)
+        token, q, sure, alternatives = head(hidden, generator, widths[depth - 1] if depth <= len(widths) else 1)
         tokens.append(token)
         qs.append(q)
+        if alternatives is not None:
+            others.append(alternatives)
         count += going
         if sure is not None:
             going &= sure
-    return Drafts(torch.stack(tokens, 1), None if qs[0] is None else torch.stack(qs, 1), count)
+    return Drafts(torch.stack(tokens, 1), None if qs[0] is None else torch.stack(qs, 1), count,
+                  torch.cat(others, 1) if others else None)
 
 
 def proposed(count: torch.Tensor, K: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ class StepResult(NamedTuple):
     drafted: torch.Tensor  # [B] drafts proposed (fewer than k when drafting is gated)
     tokens: torch.Tensor  # [B, K+1] of which the first accepted+1 are emitted; K = the longest row's drafts
     draft_hidden: torch.Tensor | None  # the next state's `draft_hidden`, at the last emitted token's predecessor
+    alternative: torch.Tensor | None = None  # [B] bool, draft trees: the last accepted draft was an alternative
 
 
 @dataclass

@@ -122,7 +122,7 @@ class CausalLM(nn.Module):
         return Inputs(self.embed(input_ids), default_positions(input_ids, segment_ids))
 
     def context(self, positions, segment_ids=None, cache=None, cache_positions=None, dtype=torch.float32,
-                kv_len: int | None = None) -> Context:
+                kv_len: int | None = None, tree: torch.Tensor | None = None) -> Context:
         mask = None
         if cache is not None:
             if cache_positions is None:  # the KV slots: the positions, or MRoPE's temporal row
@@ -131,7 +131,13 @@ class CausalLM(nn.Module):
             # kv_len (slots to attend over) from a caller that tracks positions spares a host sync
             length = int(cache_positions.max()) + 1 if kv_len is None else kv_len
             slots = torch.arange(length, device=cache_positions.device)
-            mask = (slots <= cache_positions[..., None])[:, None]  # (B, 1, T, S)
+            if tree is None:
+                mask = (slots <= cache_positions[..., None])[:, None]  # (B, 1, T, S)
+            else:  # the slots before the first token's, then the tree's own pattern over the T tokens' slots
+                B, T = cache_positions.shape
+                mask = (slots < cache_positions[:, :1, None]).expand(B, T, length).clone()
+                mask.scatter_(2, cache_positions[:, None, :].expand(B, T, T), tree.expand(B, T, T))
+                mask = mask[:, None]
         elif segment_ids is not None:
             T = segment_ids.shape[1]
             causal = torch.ones(T, T, dtype=torch.bool, device=segment_ids.device).tril()
@@ -154,6 +160,7 @@ class CausalLM(nn.Module):
         detach_trunk: bool = False,
         trunk_grad: bool = True,
         trunk_hidden: torch.Tensor | None = None,
+        tree: torch.Tensor | None = None,
     ) -> ModelOutput:
         """input_ids [B, T] (or inputs_embeds [B, T, H]); positions [B, T] or MRoPE [3, B, T]; segment_ids [B, T]
         for packed documents. `mtp=True` adds teacher-forced MTP outputs for depths 1..D (`mtp=n`: n chained
@@ -164,7 +171,9 @@ class CausalLM(nn.Module):
         reads the embeddings, hidden states and lm_head detached, so its outputs send no gradient into the trunk.
         `trunk_grad=False` (MTP-only training): the trunk runs under torch.no_grad as a fixed feature extractor and
         the MTP reads its outputs and lm_head detached; only the MTP builds a graph. `trunk_hidden` [B, T, H]: the
-        trunk's stored post-norm output (`mtpkit features`), used in place of running the decoder layers."""
+        trunk's stored post-norm output (`mtpkit features`), used in place of running the decoder layers.
+        `tree` [T, T] bool (with a cache, T tokens at consecutive slots): token i attends to token j of this forward
+        only where tree[i, j] (its ancestors and itself in a draft tree, `decode/tree.py`), and to all slots before."""
         with contextlib.nullcontext() if trunk_grad else torch.no_grad():
             x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
             if positions is None:
@@ -172,7 +181,7 @@ class CausalLM(nn.Module):
                     raise ValueError("decoding with a cache needs explicit positions")
                 positions = default_positions(x, segment_ids)
             if trunk_hidden is None:
-                hidden = self._trunk(x, positions, segment_ids, cache, cache_positions, deepstack, kv_len)
+                hidden = self._trunk(x, positions, segment_ids, cache, cache_positions, deepstack, kv_len, tree)
             else:
                 hidden = trunk_hidden.to(x.dtype)
             out = ModelOutput(self.logits(hidden) if return_logits else None, hidden, positions=positions)
@@ -190,11 +199,14 @@ class CausalLM(nn.Module):
                 out.mtp_logits = [head(m) for m in out.mtp_hidden]
         return out
 
-    def _trunk(self, x, positions, segment_ids, cache, cache_positions, deepstack, kv_len) -> torch.Tensor:
+    def _trunk(self, x, positions, segment_ids, cache, cache_positions, deepstack, kv_len, tree=None) -> torch.Tensor:
         """The decoder layers and final norm over the input embeddings x [B, T, H] -> post-norm hidden [B, T, H]."""
         if cache is not None and segment_ids is not None:
             raise ValueError("packed segment_ids cannot be combined with a decoding cache")
-        ctx = self.context(positions, segment_ids, cache, cache_positions, x.dtype, kv_len)
+        if tree is not None and (cache is None or "linear_attention" in self.config.layer_types):
+            raise ValueError("a draft tree is verified with a cache, over attention layers only (Gated DeltaNet "
+                             "layers read tokens in order): verify a chain (draft widths 1) on this model")
+        ctx = self.context(positions, segment_ids, cache, cache_positions, x.dtype, kv_len, tree)
         h = x
         for i, layer in enumerate(self.model.layers):
             h = layer(h, ctx, None if cache is None else cache.layers[i])

@@ -60,6 +60,9 @@ def test_break_even_weights_step_costs_by_the_stop_distribution():
              3: {"verify": 16.0, "draft": 7.0}}
     assert break_even(costs, [0, 0, 1]) == pytest.approx(2.3)  # (16 + 7) / 10: every step drafted 3
     assert break_even(costs, [0.5, 0.25, 0.25]) == pytest.approx((0.5 * 12 + 0.25 * 18 + 0.25 * 23) / 10)
+    # a draft tree verifies its alternatives too: widths (2,) at L = 1 verify 3 tokens, the cost of a chain's L = 2
+    assert break_even(costs, [1], (2,)) == pytest.approx((14 + 2) / 10)
+    assert break_even(costs, [0.5, 0.5], (2,)) == pytest.approx((0.5 * (14 + 2) + 0.5 * (16 + 4)) / 10)
 
 
 def test_transformers_baselines_greedy_and_prompt_lookup(tmp_path, monkeypatch):
@@ -187,8 +190,24 @@ def test_bench_cli_context_lengths(llama_dir, tmp_path, capsys):
     assert render_contexts(report) in out
 
 
+def test_bench_cli_draft_trees(llama_dir, tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("t5 t9 t3 t7\nt1 t2\n")
+    rc = main(["bench", "--model", str(llama_dir), "--prompts", str(prompts), "--num-tokens", "8", "--draft-tokens",
+               "1,2", "--draft-widths", "3", "3,2", "--repeats", "1", "--step-repeats", "1",
+               "--json", str(tmp_path / "r.json")])
+    assert rc == 0
+    runs = json.loads((tmp_path / "r.json").read_text())["runs"]
+    # (3, 2) cut to k = 1 is (3,): measured once
+    assert [(r["draft_tokens"], r["draft_widths"]) for r in runs] == [(1, []), (1, [3]), (2, []), (2, [3]), (2, [3, 2])]
+    assert [r["verified_tokens_per_step"] for r in runs] == [2, 4, 3, 5, 6]
+    assert all(r["identical"] and r["break_even"] > 0 for r in runs)
+    assert "k=2 w=3,2" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("args, message", [
     (["--draft-min-prob", "1.5"], r"--draft-min-prob values must be in \[0, 1\]"),
+    (["--draft-widths", "2,0"], "draft widths must be >= 1"),
     (["--baseline", "vllm"], "--baseline takes hf and/or pld"),
     (["--context-lengths", "8"], "--context-lengths must be >= 16"),
     (["--context-lengths", "abc"], "--context-lengths takes comma-separated numbers"),

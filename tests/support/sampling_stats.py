@@ -36,12 +36,13 @@ def exact_joint(model, prompt, params, n_tokens):
     return joint
 
 
-def empirical_counts(model, params, prompt, k, seed, rows=12_000, draft_vocab=None, draft_min_prob=0.0):
+def empirical_counts(model, params, prompt, k, seed, rows=12_000, draft_vocab=None, draft_min_prob=0.0,
+                     draft_widths=()):
     """Counts [V^3] of the first 3 new tokens over `rows` independent samples (one batch of the same prompt), and
     the run's stats."""
     r = mtpkit.generate(model, torch.tensor([prompt] * rows), max_new_tokens=3, draft_tokens=k,
                         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed,
-                        draft_vocab=draft_vocab, draft_min_prob=draft_min_prob)
+                        draft_vocab=draft_vocab, draft_min_prob=draft_min_prob, draft_widths=draft_widths)
     V = model.config.vocab_size
     idx = torch.tensor([t[0] * V * V + t[1] * V + t[2] for t in r.tokens])
     return torch.bincount(idx, minlength=V**3), r.stats

@@ -75,26 +75,29 @@ def _prompt_rows(prompts, vocab_size: int) -> tuple[list[list[int]], list[dict]]
 class _Bookkeeper:
     """Host side: each row's emitted tokens, its stop conditions and the vLLM-style acceptance counters."""
 
-    def __init__(self, batch: int, k: int, max_new: int, eos: set[int], on_tokens):
+    def __init__(self, batch: int, k: int, max_new: int, eos: set[int], on_tokens, widths: tuple[int, ...] = ()):
         self.tokens = [[] for _ in range(batch)]
         self.accept_lengths = [[] for _ in range(batch)]
         self.live = list(range(batch))  # original row index of each batch row still decoding
-        self.k, self.max_new, self.eos, self.on_tokens = k, max_new, eos, on_tokens
+        self.k, self.max_new, self.eos, self.on_tokens, self.widths = k, max_new, eos, on_tokens, widths
         self.forward_passes = self.steps = self.accepted = self.drafted = 0
-        self.alternatives = self.verified = 0  # draft trees only
+        self.verified = self.alternatives = 0  # tokens rows put into verify forwards; draft-tree leaves kept
         self.accepted_per_position = [0] * k
         self.draft_lengths = [0] * k
 
-    def emit(self, chunks: list[list[int]], verified: list[tuple[int, int]] | None = None) -> list[int]:
+    def emit(self, chunks: list[list[int]], verified: list[tuple[int, int, int]] | None = None) -> list[int]:
         """Append each live row's chunk (cut after EOS or at max_new_tokens); return the batch rows still live.
-        verified: per row, (accepted, drafted) of its verification step when speculating."""
+        verified: per row, (accepted, drafted, 1 if the last accepted token was a tree's leaf) of its verification
+        step when speculating."""
         keep = []
         for b, (row, chunk) in enumerate(zip(self.live, chunks)):
             if verified is not None:  # one verification step of this row
-                accepted, drafted = verified[b]
+                accepted, drafted, leaf = verified[b]
                 self.steps += 1
                 self.accepted += accepted
                 self.drafted += drafted
+                self.alternatives += leaf
+                self.verified += tree.verified_tokens(self.widths, drafted)
                 self.draft_lengths[drafted - 1] += 1
                 for j in range(accepted):
                     self.accepted_per_position[j] += 1
@@ -243,9 +246,9 @@ def generate(
         raise ValueError(f"draft_widths {list(widths)} asks for more tokens per position than the draft vocabulary "
                          "holds")
 
-    book = _Bookkeeper(len(rows), k, max_new_tokens, eos, on_tokens)
+    book = _Bookkeeper(len(rows), k, max_new_tokens, eos, on_tokens, widths)
     with routed_linears(router_for(model)):
-        return _decode(model, rows, vision, book, params, generator, head, widths)
+        return _decode(model, rows, vision, book, params, generator, head)
 
 
 def _plain_step(model, state: DecodeState, params: SamplingParams, generator) -> StepResult:
@@ -258,9 +261,9 @@ def _plain_step(model, state: DecodeState, params: SamplingParams, generator) ->
                       draft_hidden=None)
 
 
-def _decode(model, rows, vision, book: _Bookkeeper, params, generator, head, widths=()) -> GenerateResult:
+def _decode(model, rows, vision, book: _Bookkeeper, params, generator, head) -> GenerateResult:
     start = time.perf_counter()
-    k, weight = book.k, model.output_weight
+    k, widths, weight = book.k, book.widths, model.output_weight
     most = tree.verified_tokens(widths, k)  # tokens a verify forward writes at most
     cache = Cache(model.config, len(rows), max(map(len, rows)) + book.max_new + most, weight.dtype, weight.device)
     state = _prefill(model, cache, rows, vision, params, generator, k)
@@ -280,9 +283,6 @@ def _decode(model, rows, vision, book: _Bookkeeper, params, generator, head, wid
         flags = result.alternative if result.alternative is not None else torch.zeros_like(result.accepted)
         host = torch.cat([result.accepted[:, None], result.drafted[:, None], flags[:, None].long(), result.tokens],
                          dim=1).tolist()
-        if k:
-            book.alternatives += sum(h[2] for h in host)
-            book.verified += sum(tree.verified_tokens(widths, h[1]) for h in host)
-        keep = book.emit([h[3 : h[0] + 4] for h in host], [(h[0], h[1]) for h in host] if k else None)
+        keep = book.emit([h[3 : h[0] + 4] for h in host], [tuple(h[:3]) for h in host] if k else None)
         state = state.advanced(result, [h[0] for h in host])
     return GenerateResult(book.tokens, book.stats(time.perf_counter() - start), book.accept_lengths)

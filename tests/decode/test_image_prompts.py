@@ -57,6 +57,19 @@ def test_speculative_equals_plain_on_image_prompts(vlm, k):
     assert 0 < fast.stats["accepted"] < fast.stats["drafted"]
 
 
+def test_draft_trees_on_image_prompts(vlm):
+    """Qwen3-VL's trunk is all attention: a tree's nodes take MRoPE text positions after the images and the output
+    equals plain decoding. The Qwen3.5 VLM's Gated DeltaNet layers cannot verify a tree: a clear error."""
+    if "linear_attention" in vlm.config.layer_types:
+        with pytest.raises(ValueError, match="Gated DeltaNet"):
+            mtpkit.generate(vlm, _prompts(), max_new_tokens=4, draft_tokens=2, draft_widths=(3,))
+        return
+    plain = mtpkit.generate(vlm, _prompts(), max_new_tokens=24)
+    tree = mtpkit.generate(vlm, _prompts(), max_new_tokens=24, draft_tokens=2, draft_widths=(3, 2))
+    assert tree.tokens == plain.tokens
+    assert tree.stats["accepted_alternatives"] > 0
+
+
 def test_drafting_after_an_image_prompt_equals_teacher_forced_mtp(vlm, monkeypatch):
     """The MTP output each step drafts from equals the teacher-forced depth-1 MTP output on prompt + output,
     whose embedding input at image tokens is the vision embedding: the MTP cache built at prefill holds the same."""

@@ -171,7 +171,8 @@ def plot(report: dict, path) -> Path:
     fig, (a, b) = _pyplot().subplots(1, 2, figsize=(10, 4))
     for r in runs:
         a.plot(range(1, r["draft_tokens"] + 1), r["accepted_per_position"], marker="o", label=label(r))
-    a.set(xlabel="draft position", ylabel="acceptance (per verification step)", ylim=(0, 1), title="Acceptance")
+    a.set(xlabel="draft position", ylabel="acceptance (per verification step)", ylim=(0, 1), title="Acceptance",
+          xticks=range(1, max(r["draft_tokens"] for r in runs) + 1))
     a.legend()
     b.bar([label(r) for r in runs], [r["speedup"] for r in runs], color="tab:green")
     b.axhline(1.0, color="gray", lw=1)

@@ -2,7 +2,7 @@
 as leaves, all verified in one trunk forward under a tree attention mask.
 
 A chain step ends at its first rejected draft. A head that misses at position d often still ranks the trunk's
-token 2nd or 3rd (the shipped SmolLM2 head, first position: top-1 38%, top-3 57%; docs/MTP.md section 4), so
+token 2nd or 3rd (the shipped SmolLM2 head, first position: top 1 37%, top 3 53%; docs/MTP.md section 4), so
 verifying those tokens as well keeps one more token where the chain fails, for a few more tokens in the verify
 forward. The tree shape follows the draft's ranking as Medusa's and EAGLE-2's trees do (Cai et al. 2024; Li et
 al. 2024); here only the chain is extended by the MTP, so drafting costs what the chain costs and leaves are never

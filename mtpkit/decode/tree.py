@@ -44,8 +44,9 @@ class Tree(NamedTuple):
 
 
 @lru_cache(maxsize=64)
-def layout(widths: tuple[int, ...]) -> Tree:
-    """The tree of a chain of K = len(widths) drafts with widths[d - 1] tokens at depth d."""
+def layout(widths: tuple[int, ...], device: torch.device | str = "cpu") -> Tree:
+    """The tree of a chain of K = len(widths) drafts with widths[d - 1] tokens at depth d, its tensors on `device`
+    (built once per shape and device)."""
     K, W = len(widths), max(widths)
     depth, parent = list(range(K + 1)), list(range(-1, K))
     alternatives = torch.full((K, W - 1), -1, dtype=torch.long)
@@ -61,7 +62,7 @@ def layout(widths: tuple[int, ...]) -> Tree:
         while j >= 0:
             mask[i, j] = True
             j = parent[j]
-    return Tree(T, torch.tensor(depth), mask, alternatives)
+    return Tree(T, torch.tensor(depth, device=device), mask.to(device), alternatives.to(device))
 
 
 def normalize_widths(widths, k: int) -> tuple[int, ...]:
@@ -88,14 +89,14 @@ def step(model, state: DecodeState, *, k: int, widths: tuple[int, ...], head: sp
     rejection), move the accepted alternative's K/V into line and run the MTP over the accepted path."""
     drafts = spec.draft(model, state, k=k, head=head, generator=generator, widths=widths)
     K = drafts.tokens.shape[1]
-    tree = layout(tuple(widths[:K]) + (1,) * max(0, K - len(widths)))
     device = drafts.tokens.device
+    tree = layout(tuple(widths[:K]) + (1,) * max(0, K - len(widths)), device)
     alternatives = drafts.tokens[:, :0] if drafts.alternatives is None else drafts.alternatives
     ids = torch.cat([state.last[:, None], drafts.tokens, alternatives], 1)  # [B, T] in layout order
     slots = state.slots(tree.size)
-    positions = state.rope_positions(state.slot[:, None] + tree.depth.to(device))
+    positions = state.rope_positions(state.slot[:, None] + tree.depth)
     out = model(ids, positions=positions, cache=state.cache, cache_positions=slots,
-                kv_len=state.top_slot + tree.size, tree=tree.mask.to(device))
+                kv_len=state.top_slot + tree.size, tree=tree.mask)
     chain = slice(0, K + 1)
     if params.greedy:
         accepted, tokens = spec.accept_greedy(drafts.tokens, out.logits[:, chain], drafts.count)
@@ -104,7 +105,7 @@ def step(model, state: DecodeState, *, k: int, widths: tuple[int, ...], head: sp
         accepted, tokens = spec.accept_sampling(drafts.tokens, drafts.q, p[:, chain], generator, drafts.count)
     rows = torch.arange(state.batch, device=device)
     # the alternatives at the first rejected depth (accepted + 1), hanging off chain node `accepted`
-    nodes = tree.alternatives.to(device)[accepted.clamp(max=K - 1)]  # [B, W - 1]
+    nodes = tree.alternatives[accepted.clamp(max=K - 1)]  # [B, W - 1]
     emitted = tokens[rows, accepted]
     hit = (nodes >= 0) & (ids.gather(1, nodes.clamp_min(0)) == emitted[:, None]) & (accepted < drafts.count)[:, None]
     leaf = hit.any(dim=1)

@@ -1,8 +1,8 @@
 """Draft trees (`draft_widths`, decode/tree.py): a tree verify gives every node the logits of a plain forward over
 its own path; after an alternative is kept the cache equals one that saw only the kept tokens; greedy output equals
-plain greedy token for token (batched, k = 1..3, several shapes) with alternatives actually kept; the MTP drafts
-from the kept path; sampling keeps the trunk's law exactly (shown to fail with a causal mask in place of the
-tree's); bad shapes and hybrid trunks are one-line errors."""
+plain greedy token for token (batched, k = 1..3, several shapes, with gating) with alternatives actually kept; the
+MTP drafts from the kept path; sampling keeps the trunk's law exactly, gated too (shown to fail with a causal mask
+in place of the tree's); bad shapes and hybrid trunks are one-line errors."""
 
 import pytest
 import torch
@@ -81,6 +81,19 @@ def test_greedy_tree_equals_plain_greedy(model):
     assert kept > 0
 
 
+def test_gated_trees_equal_plain_greedy():
+    """With confidence gating rows stop drafting at different depths: leaves count only up to a row's last
+    proposed draft, and the output stays plain greedy's."""
+    model = drafting_model("llama", noise=0.5, seed=1)
+    norm = model.mtp.norm
+    with torch.no_grad():
+        norm.weight.mul_(0.5)  # a less sure head: thresholds stop drafts at every depth
+    plain = mtpkit.generate(model, PROMPTS, max_new_tokens=40).tokens
+    r = mtpkit.generate(model, PROMPTS, max_new_tokens=40, draft_tokens=3, draft_widths=(3, 2), draft_min_prob=0.5)
+    assert r.tokens == plain
+    assert all(r.stats["draft_lengths"]) and r.stats["accepted_alternatives"] > 0
+
+
 def test_the_greedy_test_fails_without_moving_the_kept_alternative(monkeypatch):
     """The KV of a kept alternative sits at its tree slot; not moving it leaves the next steps reading the
     rejected chain draft's K/V there. Caught on a model whose trunk leans on attention."""
@@ -130,13 +143,24 @@ def test_tree_sampling_matches_the_exact_distribution(sampling_case, k, widths):
     assert stats["accepted_alternatives"] > 600
 
 
+def test_gated_tree_sampling_matches_the_exact_distribution(sampling_case):
+    """The same trunk (so the same exact law) with a less sure head: at p = 0.3 rows stop after 1 or 2 drafts."""
+    _, params, prompt, joint = sampling_case
+    model = drafting_model("llama", noise=1.0, seed=3)
+    with torch.no_grad():
+        model.mtp.norm.weight.mul_(0.3)
+    counts, stats = empirical_counts(model, params, prompt, 2, seed=7, draft_widths=(3, 2), draft_min_prob=0.3)
+    assert chi2_pvalue(counts, joint) > 1e-3
+    assert all(stats["draft_lengths"]) and stats["accepted_alternatives"] > 300
+
+
 def test_the_sampling_test_fails_with_a_causal_mask(sampling_case, monkeypatch):
     """Alternatives that also see the chain drafts before them get the wrong p: caught."""
     model, params, prompt, joint = sampling_case
     shape = tree.layout
 
-    def causal(widths):
-        t = shape(widths)
+    def causal(widths, device):
+        t = shape(widths, device)
         return t._replace(mask=torch.ones(t.size, t.size, dtype=torch.bool).tril())
 
     monkeypatch.setattr(tree, "layout", causal)

@@ -26,8 +26,8 @@ def head_ranks(model, prompts: list[list[int]], *, num_tokens: int, depths: int,
     hits = {d: dict.fromkeys(top, 0) for d in range(1, depths + 1)}
     counted = dict.fromkeys(hits, 0)
     for prompt, new in zip(prompts, out.tokens):
-        seq = prompt + new
-        mtp = model(torch.tensor([seq]), mtp=depths).mtp_logits  # depth d: row i predicts token i + 1 + d
+        seq = torch.tensor(prompt + new)
+        mtp = model(seq[None], mtp=depths).mtp_logits  # depth d: row i predicts token i + 1 + d
         for d in hits:
             logits = mtp[d - 1][0] if vocab is None else mtp[d - 1][0][:, vocab]
             ranked = logits.topk(max(top), dim=-1).indices
@@ -35,7 +35,7 @@ def head_ranks(model, prompts: list[list[int]], *, num_tokens: int, depths: int,
             rows = torch.arange(len(prompt) - 1, len(seq) - 1 - d)  # targets inside the continuation
             if not len(rows):
                 continue
-            found = ranked[rows] == torch.tensor(seq)[rows + 1 + d, None]  # [n, max(top)]
+            found = ranked[rows] == seq[rows + 1 + d, None]  # [n, max(top)]
             for c in top:
                 hits[d][c] += int(found[:, :c].any(dim=1).sum())
             counted[d] += len(rows)

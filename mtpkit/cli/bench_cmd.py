@@ -48,7 +48,7 @@ def add_parser(sub) -> None:
     p.add_argument("--plot", help="draw acceptance per position and speedup per k to this PNG")
 
 
-def _numbers(text: str, kind, flag: str) -> list:
+def numbers(text: str, kind, flag: str) -> list:
     try:
         return [kind(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -70,17 +70,17 @@ def run(args) -> int:
     from ..models.multimodal import load_processor
     from ..tokenizer import load_tokenizer
 
-    ks = sorted(set(_numbers(args.draft_tokens, int, "--draft-tokens")))
+    ks = sorted(set(numbers(args.draft_tokens, int, "--draft-tokens")))
     if not ks or ks[0] < 1:
         raise ValueError(f"--draft-tokens needs k values >= 1, got {args.draft_tokens!r}")
-    min_probs = sorted(set(_numbers(args.draft_min_prob, float, "--draft-min-prob"))) or [0.0]
+    min_probs = sorted(set(numbers(args.draft_min_prob, float, "--draft-min-prob"))) or [0.0]
     if not all(0 <= p <= 1 for p in min_probs):
         raise ValueError(f"--draft-min-prob values must be in [0, 1], got {args.draft_min_prob!r}")
-    widths = [(), *(normalize_widths(_numbers(w, int, "--draft-widths"), ks[-1]) for w in args.draft_widths)]
+    widths = [(), *(normalize_widths(numbers(w, int, "--draft-widths"), ks[-1]) for w in args.draft_widths)]
     baselines = [b.strip() for b in (args.baseline or "").split(",") if b.strip()]
     if set(baselines) - {"hf", "pld"}:
         raise ValueError(f"--baseline takes hf and/or pld (comma-separated), got {args.baseline!r}")
-    lengths = sorted(set(_numbers(args.context_lengths or "", int, "--context-lengths")))
+    lengths = sorted(set(numbers(args.context_lengths or "", int, "--context-lengths")))
     if lengths and lengths[0] < 16:
         raise ValueError(f"--context-lengths must be >= 16 tokens each, got {args.context_lengths!r}")
     if lengths and args.prompts:

@@ -86,6 +86,7 @@ def run(args) -> int:
     from ..decode.int8 import model_dtype, quantize_int8
     from ..models.multimodal import image_inputs, load_processor, open_images
     from ..tokenizer import encode_prompt, load_tokenizer
+    from .bench_cmd import numbers
 
     dtype = model_dtype(args.dtype, args.quantize)
     path = Path(args.model) if args.model else default_gguf_path()
@@ -105,17 +106,10 @@ def run(args) -> int:
     result = generate(
         model, [prompt], max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens,
         draft_min_prob=args.draft_min_prob, draft_vocab="full" if args.full_vocab else None,
-        draft_widths=_widths(args.draft_widths), temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-        eos_token_id=tokenizer.eos_token_id, on_tokens=stream,
+        draft_widths=numbers(args.draft_widths, int, "--draft-widths"), temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_id=tokenizer.eos_token_id, on_tokens=stream,
     )
     stream.close()
     print()
     print(stats_line(result.stats, args.draft_tokens, gated=args.draft_min_prob > 0))
     return 0
-
-
-def _widths(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(w) for w in text.split(",") if w.strip())
-    except ValueError:
-        raise ValueError(f"--draft-widths takes comma-separated integers, e.g. 3,2, got {text!r}") from None

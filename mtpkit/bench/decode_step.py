@@ -103,7 +103,7 @@ def step_costs(model, ks, repeats: int, context: int, draft_vocab: int, compare_
     one_plain, single = None, {None: None}
     if compare_routes:
         one_plain, single = median_ms(decode, repeats), {}  # every linear layer through F.linear
-        for how in candidates(1):  # each candidate alone for every layer
+        for how in candidates(1, model.output_weight.dtype):  # each candidate alone for every layer
             with routed_linears(MatmulRouter(router_for(model).weights, force=how)):
                 single["{}@{}".format(*how)] = median_ms(decode, repeats)
     best = min(single, key=lambda c: single[c] or 0)

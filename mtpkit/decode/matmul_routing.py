@@ -9,7 +9,9 @@ bf16, one-row `F.linear` streamed at 14 GB/s and `W @ x^T` with 4 rows at 23.5 G
 hard-coded: the first time a row count is seen, `MatmulRouter` times each candidate way of computing the
 product, over all of the model's weights in model order (the same cache behaviour as a real step), and keeps the
 fastest per weight shape for the rest of the process. Candidates: `F.linear` and `W @ x^T`, each on the rows
-as given or padded with zero rows to 2, 4 or 8 (a wider product can stream faster than a thinner one).
+as given or padded with zero rows to 2, 4 or 8 (a wider product can stream faster than a thinner one), and for
+fp32 on AVX2 CPUs mtpkit's own thin kernel (kernels/thin_matmul.py; on an AVX2-only EPYC torch's products
+streamed at 2.5-7 GB/s of 16).
 
 Every candidate computes the same product; they may differ in the last bit of rounding, as any two BLAS
 kernels do, so greedy outputs can differ only at exact rounding ties.
@@ -24,16 +26,20 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
+from ..kernels import thin_matmul
 from ..kernels.linear import Linear
 
 MAX_ROWS = 8  # wider products (batched generation, prefill) are compute-bound: F.linear
 PADS = (2, 4, 8)
 
 
-def candidates(rows: int) -> list[tuple[str, int]]:
-    """(method, padded row count) pairs for `rows` rows."""
+def candidates(rows: int, dtype: torch.dtype = torch.float32) -> list[tuple[str, int]]:
+    """(method, padded row count) pairs for `rows` rows of `dtype`."""
     pads = [rows] + [p for p in PADS if p > rows]
-    return [(m, p) for p in pads for m in ("linear", "wxt") if not (m == "wxt" and p == 1)]
+    found = [(m, p) for p in pads for m in ("linear", "wxt") if not (m == "wxt" and p == 1)]
+    if dtype == torch.float32 and rows <= thin_matmul.MAX_ROWS and thin_matmul.available():
+        found.append(("thin", rows))
+    return found
 
 
 def thin_product(x2: torch.Tensor, weight: torch.Tensor, how: tuple[str, int]) -> torch.Tensor:
@@ -42,6 +48,8 @@ def thin_product(x2: torch.Tensor, weight: torch.Tensor, how: tuple[str, int]) -
     rows = x2.shape[0]
     if padded > rows:
         x2 = torch.cat([x2, x2.new_zeros(padded - rows, x2.shape[1])])
+    if method == "thin":
+        return thin_matmul.thin_linear(x2, weight)
     y = F.linear(x2, weight) if method == "linear" else (weight @ x2.T).T
     return y[:rows].contiguous()
 
@@ -84,7 +92,7 @@ class MatmulRouter:
         ws = list({w.data_ptr(): w for w in [*self.weights(), weight]
                    if w.dtype == weight.dtype and w.device.type == "cpu"}.values())
         xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(w.dtype) for w in ws}
-        cands = candidates(rows)
+        cands = candidates(rows, weight.dtype)
         samples: dict[tuple, dict] = defaultdict(lambda: defaultdict(list))  # shape -> candidate -> [s]
         for rep in range(self.repeats + 1):
             for c in cands[rep % len(cands):] + cands[: rep % len(cands)]:  # rotate: no candidate always first

@@ -19,7 +19,7 @@ def test_every_candidate_computes_f_linear(dtype):
     for rows in range(1, 10):
         x = torch.randn(rows, 64, generator=g).to(dtype)
         ref = torch.nn.functional.linear(x.float(), w.float())
-        for how in routing.candidates(rows):
+        for how in routing.candidates(rows, dtype):
             got = routing.thin_product(x, w, how)
             assert got.shape == (rows, 300) and got.dtype == dtype, how
             torch.testing.assert_close(got.float(), ref, **({} if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)))

@@ -1,0 +1,102 @@
+"""The thin fp32 kernel against F.linear (the reference): every row count, remainders of its column blocks and of
+its 8-wide vectors, 1 and 2 threads; decoding through it equals a full forward; a failed build falls back."""
+
+import warnings
+
+import pytest
+import torch
+from tiny_models import hf_model, random_mtp_tensors, save_hf
+
+import mtpkit
+from mtpkit.decode import matmul_routing as routing
+from mtpkit.kernels import thin_matmul
+
+needs_kernel = pytest.mark.skipif(not thin_matmul.supported(), reason="the thin kernel needs an x86-64 CPU with AVX2")
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_equals_f_linear(threads):
+    assert thin_matmul.available()
+    g = torch.Generator().manual_seed(0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for inner in (8, 37, 576):  # 37: a tail after the 8-wide vectors
+            for outer in (1, 3, 5, 130, 1001):  # remainders of the 4- and 2-column blocks, and of a thread's share
+                w = torch.randn(outer, inner, generator=g)
+                for rows in range(1, 9):
+                    x = torch.randn(rows, inner, generator=g)
+                    got = thin_matmul.thin_linear(x, w)
+                    ref = torch.nn.functional.linear(x.double(), w.double()).float()
+                    assert got.shape == (rows, outer) and got.dtype == torch.float32
+                    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * inner**0.5)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+def test_strided_input_and_bad_calls():
+    w = torch.randn(40, 16)
+    x = torch.randn(16, 3).T  # a transposed view: made contiguous
+    torch.testing.assert_close(thin_matmul.thin_linear(x, w), x @ w.T)
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        thin_matmul.thin_linear(torch.randn(9, 16), w)
+    with pytest.raises(RuntimeError, match="fp32 only"):
+        thin_matmul.thin_linear(torch.randn(2, 16).bfloat16(), w.bfloat16())
+
+
+@needs_kernel
+def test_router_offers_it_for_fp32_only():
+    assert ("thin", 3) in routing.candidates(3, torch.float32)
+    assert not any(m == "thin" for m, _ in routing.candidates(3, torch.bfloat16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_decoding_through_it_equals_a_full_forward(name, tmp_path, one_thread):
+    ref = hf_model(name)
+    with torch.no_grad():
+        ref.get_output_embeddings().weight.mul_(8.0)  # greedy choices far from rounding ties
+    save_hf(ref, tmp_path / name, mtp_tensors=random_mtp_tensors(ref))
+    model = mtpkit.load_model(tmp_path / name)
+    routing.router_for(model).force = ("thin", 1)  # every thin product through the kernel (widened to the rows)
+    calls = []
+    real = thin_matmul.thin_linear
+
+    def counted(x, w):
+        calls.append(x.shape[0])
+        return real(x, w)
+
+    prompts = [[1, 5, 9, 30, 2], [7, 3]]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(thin_matmul, "thin_linear", counted)
+        plain = mtpkit.generate(model, prompts[:1], max_new_tokens=12)
+        specs = {k: mtpkit.generate(model, prompts[:1], max_new_tokens=12, draft_tokens=k) for k in (1, 3)}
+    assert set(calls) >= {1, 2, 4}  # decode (1 row) and verify (k + 1 rows) both went through it
+    with torch.no_grad():
+        ids = list(prompts[0])
+        for t in plain.tokens[0]:
+            assert t == model(torch.tensor([ids])).logits[0, -1].argmax().item()
+            ids.append(t)
+    assert all(s.tokens == plain.tokens for s in specs.values())
+
+
+def test_a_failed_build_warns_once_and_falls_back(monkeypatch):
+    import torch.utils.cpp_extension as cpp
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpp, "load", broken)
+    monkeypatch.setattr(thin_matmul, "supported", lambda: True)
+    thin_matmul.available.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert not thin_matmul.available()
+            assert not thin_matmul.available()  # cached: one warning
+        assert len(caught) == 1 and "Ninja is required" in str(caught[0].message)
+        assert not any(m == "thin" for m, _ in routing.candidates(2, torch.float32))
+    finally:
+        thin_matmul.available.cache_clear()

@@ -124,7 +124,7 @@ def run(args) -> int:
     report.update(model=path.name, device=str(model.output_weight.device), dtype=dtype_name, quantize=args.quantize,
                   threads=torch.get_num_threads(),
                   num_tokens=args.num_tokens, repeats=args.repeats, temperature=args.temperature,
-                  mtp_head=str(head) if head else "(checkpoint's own)")
+                  mtp_head=Path(head).name if head else "(checkpoint's own)")  # names only: no local paths
     if lengths:
         text = render_contexts(report)
     else:

@@ -11,7 +11,7 @@ product, over all of the model's weights in model order (the same cache behaviou
 fastest per weight shape for the rest of the process. Candidates: `F.linear` and `W @ x^T`, each on the rows
 as given or padded with zero rows to 2, 4 or 8 (a wider product can stream faster than a thinner one), and for
 fp32 on AVX2 CPUs mtpkit's own thin kernel (kernels/thin_matmul.py; on an AVX2-only EPYC torch's products
-streamed at 2.5-7 GB/s of 16).
+streamed at 2.5-11 GB/s of a 14-21 GB/s read bandwidth).
 
 Every candidate computes the same product; they may differ in the last bit of rounding, as any two BLAS
 kernels do, so greedy outputs can differ only at exact rounding ties.

@@ -23,7 +23,7 @@ def test_equals_f_linear(threads):
     torch.set_num_threads(threads)
     try:
         for inner in (8, 37, 576):  # 37: a tail after the 8-wide vectors
-            for outer in (1, 3, 5, 130, 1001):  # remainders of the 4- and 2-column blocks, and of a thread's share
+            for outer in (1, 3, 5, 130, 1001):  # remainders of the 4-column blocks and of a thread's share
                 w = torch.randn(outer, inner, generator=g)
                 for rows in range(1, 9):
                     x = torch.randn(rows, inner, generator=g)
@@ -68,17 +68,18 @@ def test_decoding_through_it_equals_a_full_forward(name, tmp_path, one_thread):
         calls.append(x.shape[0])
         return real(x, w)
 
-    prompts = [[1, 5, 9, 30, 2], [7, 3]]
+    prompts = [[1, 5, 9, 30, 2], [7, 3]]  # a batch of two: decode 2 rows, verify 2 (k + 1) rows
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(thin_matmul, "thin_linear", counted)
-        plain = mtpkit.generate(model, prompts[:1], max_new_tokens=12)
-        specs = {k: mtpkit.generate(model, prompts[:1], max_new_tokens=12, draft_tokens=k) for k in (1, 3)}
-    assert set(calls) >= {1, 2, 4}  # decode (1 row) and verify (k + 1 rows) both went through it
+        plain = mtpkit.generate(model, prompts, max_new_tokens=12)
+        specs = {k: mtpkit.generate(model, prompts, max_new_tokens=12, draft_tokens=k) for k in (1, 3)}
+    assert set(calls) >= {2, 4, 8}  # decode and verify rows both went through it
     with torch.no_grad():
-        ids = list(prompts[0])
-        for t in plain.tokens[0]:
-            assert t == model(torch.tensor([ids])).logits[0, -1].argmax().item()
-            ids.append(t)
+        for prompt, out in zip(prompts, plain.tokens):
+            ids = list(prompt)
+            for t in out:
+                assert t == model(torch.tensor([ids])).logits[0, -1].argmax().item()
+                ids.append(t)
     assert all(s.tokens == plain.tokens for s in specs.values())
 
 

@@ -29,7 +29,8 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, rope, mask=None, kv_cache=None, cache_positions=None):
-        """x [B, T, H]; rope = (cos, sin) [B, T, r]; mask: bool [B, 1, T, S] (True = attend) or None for causal."""
+        """x [B, T, H]; rope = (cos, sin) [B, T, r]; mask [B, 1, T, S]: bool (True = attend) or additive (0 / -inf),
+        or None for causal."""
         B, T, _ = x.shape
         # head counts come from the shapes (-1): under tensor parallelism the projections hold this rank's heads
         q = self.q_proj(x).view(B, T, -1, self.head_dim * (2 if self.gated else 1))

@@ -138,6 +138,8 @@ class CausalLM(nn.Module):
                 mask = (slots < cache_positions[:, :1, None]).expand(B, T, length).clone()
                 mask.scatter_(2, cache_positions[:, None, :].expand(B, T, T), tree.expand(B, T, T))
                 mask = mask[:, None]
+            # additive, once per forward: SDPA would convert a bool mask in every layer
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         elif segment_ids is not None:
             T = segment_ids.shape[1]
             causal = torch.ones(T, T, dtype=torch.bool, device=segment_ids.device).tril()

@@ -65,7 +65,7 @@ def available() -> bool:
 
 
 def thin_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [rows <= 8, K] @ weight [N, K]^T -> [rows, N] in fp32 on CPU."""
+    """x [..., K] (at most 8 rows) @ weight [N, K]^T -> [..., N] in fp32 on CPU."""
     if not available():
         raise RuntimeError("the thin matmul kernel is not available on this machine (see the warning above)")
     return torch.ops.mtpkit_cpu.thin_linear(x.contiguous(), weight.contiguous())

@@ -36,12 +36,14 @@ def test_equals_f_linear(threads):
 
 
 @needs_kernel
-def test_strided_input_and_bad_calls():
+def test_strided_and_batched_input_and_bad_calls():
     w = torch.randn(40, 16)
     x = torch.randn(16, 3).T  # a transposed view: made contiguous
     torch.testing.assert_close(thin_matmul.thin_linear(x, w), x @ w.T)
+    x = torch.randn(2, 3, 16)  # [B, T, K] -> [B, T, N], as the router passes a step's activations
+    torch.testing.assert_close(thin_matmul.thin_linear(x, w), x @ w.T)
     with pytest.raises(RuntimeError, match="1 to 8 rows"):
-        thin_matmul.thin_linear(torch.randn(9, 16), w)
+        thin_matmul.thin_linear(torch.randn(3, 3, 16), w)
     with pytest.raises(RuntimeError, match="fp32 only"):
         thin_matmul.thin_linear(torch.randn(2, 16).bfloat16(), w.bfloat16())
 
@@ -65,7 +67,7 @@ def test_decoding_through_it_equals_a_full_forward(name, tmp_path, one_thread):
     real = thin_matmul.thin_linear
 
     def counted(x, w):
-        calls.append(x.shape[0])
+        calls.append(x.numel() // x.shape[-1])
         return real(x, w)
 
     prompts = [[1, 5, 9, 30, 2], [7, 3]]  # a batch of two: decode 2 rows, verify 2 (k + 1) rows

@@ -1,4 +1,4 @@
-// y[M, N] = x[M, K] @ w[N, K]^T in fp32 for 1 <= M <= 8 rows (decode and verify steps), AVX2 + FMA.
+// y[..., N] = x[..., K] @ w[N, K]^T in fp32 for M = 1 to 8 rows of x (decode and verify steps), AVX2 + FMA.
 //
 // A thin product reads each weight once and multiplies it by only M rows, so it is bound by how fast the weights
 // stream from memory. Each weight row is read once while all M rows of x (a few kB, in L1) are multiplied
@@ -9,6 +9,8 @@
 #include <c10/util/Exception.h>
 #include <immintrin.h>
 #include <torch/library.h>
+
+#include <vector>
 
 namespace {
 
@@ -63,13 +65,15 @@ void product(const float* x, const float* w, float* y, int64_t N, int64_t K) {
 }
 
 at::Tensor thin_linear(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "thin_linear: x [M, K] and w [N, K]");
+  TORCH_CHECK(x.dim() >= 1 && w.dim() == 2 && x.size(-1) == w.size(1), "thin_linear: x [..., K] and w [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "thin_linear: fp32 only");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "thin_linear: CPU tensors only");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "thin_linear: contiguous tensors only");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t K = w.size(1), N = w.size(0), M = K ? x.numel() / K : 0;
   TORCH_CHECK(M >= 1 && M <= 8, "thin_linear: 1 to 8 rows, got ", M);
-  at::Tensor y = at::empty({M, N}, x.options());
+  std::vector<int64_t> shape = x.sizes().vec();  // [..., K] -> [..., N]: the caller needs no reshape
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());
   const float* xp = x.const_data_ptr<float>();
   const float* wp = w.const_data_ptr<float>();
   float* yp = y.mutable_data_ptr<float>();

@@ -4,6 +4,7 @@ read."""
 
 import json
 import re
+import time
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from transformers import PreTrainedTokenizerFast
 import mtpkit
 from mtpkit.bench import speedup
 from mtpkit.bench.contexts import context_prompts, python_docs
+from mtpkit.bench.decode_step import cache_evictor, median_ms
 from mtpkit.bench.report import plot, render, render_contexts
 from mtpkit.bench.speedup import Prompt, break_even, load_prompts, run_bench
 from mtpkit.cli import main
@@ -53,6 +55,15 @@ def test_run_bench_figures(model, tmp_path):
     text = render(report, lambda ids: " ".join(map(str, ids)))
     assert "✓ identical" in text and "OVERALL" in text and "break-even" in text and "drafts/step" in text
     assert plot(report, tmp_path / "b.png").stat().st_size > 1000
+
+
+def test_step_timings_leave_out_the_cache_eviction():
+    calls = []
+    ms = median_ms(lambda: calls.append("fn"), 3, before=lambda: (calls.append("evict"), time.sleep(0.05)))
+    assert calls == ["fn"] + ["evict", "fn"] * 3  # a warm-up, then every timed call right after an eviction
+    assert ms < 25  # the 50 ms before each call is not in its time
+    evict = cache_evictor("cpu")
+    assert evict() == 64 << 20  # it reads all of its 256 MB buffer
 
 
 def test_break_even_weights_step_costs_by_the_stop_distribution():

@@ -42,16 +42,18 @@ def candidates(rows: int, dtype: torch.dtype = torch.float32) -> list[tuple[str,
     return found
 
 
-def thin_product(x2: torch.Tensor, weight: torch.Tensor, how: tuple[str, int]) -> torch.Tensor:
-    """x2 [rows, K] @ weight[N, K]^T -> [rows, N], computed as `how` says."""
+def thin_product(x: torch.Tensor, weight: torch.Tensor, how: tuple[str, int]) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T -> [..., N], computed as `how` says: padded with zero rows to how[1] where that
+    is wider than x (a narrower one runs as wide as x)."""
     method, padded = how
+    if method == "thin":  # the kernel takes [..., K] as it is: no reshapes on a step's ~200 products
+        return thin_matmul.thin_linear(x, weight)
+    x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0]
     if padded > rows:
         x2 = torch.cat([x2, x2.new_zeros(padded - rows, x2.shape[1])])
-    if method == "thin":
-        return thin_matmul.thin_linear(x2, weight)
     y = F.linear(x2, weight) if method == "linear" else (weight @ x2.T).T
-    return y[:rows].contiguous()
+    return y[:rows].contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
 class MatmulRouter:
@@ -77,13 +79,7 @@ class MatmulRouter:
         key = self.key(rows, weight.dtype, weight.shape)
         if self.force is None and key not in self.choice:
             self.calibrate(rows, weight)
-        how = self.force or self.choice[key]
-        if how[0] == "thin":  # [..., K] -> [..., N] with no reshapes: a step makes ~200 of these calls
-            y = thin_matmul.thin_linear(x, weight)
-        else:
-            # a forced candidate narrower than x: as wide as x
-            y = thin_product(x.reshape(rows, -1), weight, (how[0], max(how[1], rows)))
-            y = y.view(*x.shape[:-1], weight.shape[0])
+        y = thin_product(x, weight, self.force or self.choice[key])
         return y if bias is None else y + bias
 
     @torch.inference_mode()

@@ -22,6 +22,7 @@ def test_every_candidate_computes_f_linear(dtype):
         for how in routing.candidates(rows, dtype):
             got = routing.thin_product(x, w, how)
             assert got.shape == (rows, 300) and got.dtype == dtype, how
+            torch.testing.assert_close(routing.thin_product(x[None], w, how), got[None])  # [B, T, K] as a step has it
             torch.testing.assert_close(got.float(), ref, **({} if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)))
 
 

@@ -42,6 +42,7 @@ from ..decode.sampling import SamplingParams
 from ..decode.state import DecodeState
 from ..kernels.linear import routed_linears
 from ..models.parallel_heads import head_outputs
+from .gpu_check.common import median_seconds
 from .hf_baseline import load_hf_baseline
 
 # Qwen3.5-0.8B's text config (its config.json on the HF hub), 8 of its 24 layers
@@ -55,26 +56,10 @@ QWEN35_08B_8L = dict(
 )
 
 
-def _sync() -> None:
-    """Wait for queued GPU work, so that a timing covers the kernels and not only their launch."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-def median_ms(fn, repeats: int, before=None) -> float:
-    """Median ms of `repeats` calls of fn after one warm-up, each after an untimed `before()`, queued device work
-    included."""
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        if before is not None:
-            before()
-        _sync()
-        t = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+def median_ms(fn, repeats: int, device="cpu", before=None) -> float:
+    """Median ms of `repeats` calls of fn after one warm-up, each after an untimed `before()`, the device's queued
+    work included (a GPU timing would otherwise cover only the kernels' launch)."""
+    return 1e3 * median_seconds(fn, torch.device(device), repeats, before=before)
 
 
 def cache_evictor(device):
@@ -110,7 +95,7 @@ def weight_bytes(model) -> int:
 def step_costs(model, ks, repeats: int, context: int, draft_vocab: int, compare_routes: bool = False) -> list[dict]:
     """Median ms of decode / verify / drafting forwards at `context` tokens of prompt; with compare_routes, also
     of a decode with plain F.linear and with each single routing candidate for every layer."""
-    cfg = model.config
+    cfg, device = model.config, model.output_weight.device
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (1, context + max(ks) + 2), generator=gen)
     cache = Cache(cfg, 1, context + max(ks) + 3, model.output_weight.dtype)
@@ -122,18 +107,18 @@ def step_costs(model, ks, repeats: int, context: int, draft_vocab: int, compare_
 
     one_plain, single = None, {None: None}
     if compare_routes:
-        one_plain, single = median_ms(decode, repeats), {}  # every linear layer through F.linear
+        one_plain, single = median_ms(decode, repeats, device), {}  # every linear layer through F.linear
         for how in candidates(1, model.output_weight.dtype):  # each candidate alone for every layer
             with routed_linears(MatmulRouter(router_for(model).weights, force=how)):
-                single["{}@{}".format(*how)] = median_ms(decode, repeats)
+                single["{}@{}".format(*how)] = median_ms(decode, repeats, device)
     best = min(single, key=lambda c: single[c] or 0)
     with routed_linears(router_for(model)):  # as generate() runs them
-        one = median_ms(decode, repeats)
+        one = median_ms(decode, repeats, device)
         greedy = SamplingParams()
         heads = {"full": spec.DraftHead(model, greedy),
                  "subset": spec.DraftHead(model, greedy, torch.arange(draft_vocab))}
         rows, delta = [], torch.zeros(1, dtype=torch.long)
-        evict = cache_evictor(model.output_weight.device)
+        evict = cache_evictor(device)
         # the MTP runs over the rows verified from slot `context` on, then drafts from the one after it
         verified = DecodeState(cache=cache, last=ids[:, context], slot=torch.tensor([context]), slot_host=[context],
                                rope_delta=delta, draft_hidden=None)
@@ -155,9 +140,9 @@ def step_costs(model, ks, repeats: int, context: int, draft_vocab: int, compare_
                 spec.draft(model, replace(after, draft_hidden=mtp_out[:, 0]), k=k, head=head, generator=None)
 
             row = {"k": k, "decode_plain": one_plain, "decode": one, "best_single": single[best],
-                   "best_single_name": best, "verify": median_ms(verify, repeats)}
+                   "best_single_name": best, "verify": median_ms(verify, repeats, device)}
             for name, head in heads.items():
-                row[name] = median_ms(lambda: drafting(head), repeats, before=evict)
+                row[name] = median_ms(lambda: drafting(head), repeats, device, evict)
             row["break_even"] = (row["verify"] + row["full"]) / one
             row["break_even_subset"] = (row["verify"] + row["subset"]) / one
             rows.append(row)

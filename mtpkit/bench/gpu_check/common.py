@@ -76,12 +76,15 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_seconds(fn, device: torch.device, repeats: int, warmup: int = 1) -> float:
-    """Median wall time of fn() over `repeats` calls, the device synchronised around each."""
+def median_seconds(fn, device: torch.device, repeats: int, warmup: int = 1, before=None) -> float:
+    """Median wall time of fn() over `repeats` calls, the device synchronised around each, each after an untimed
+    `before()` if given."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         sync(device)
         t0 = time.perf_counter()
         fn()

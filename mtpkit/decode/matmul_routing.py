@@ -26,8 +26,9 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
-from ..kernels import thin_matmul
+from ..kernels import decode_layer, thin_matmul
 from ..kernels.linear import Linear
+from .cache import KVCache
 
 MAX_ROWS = 8  # wider products (batched generation, prefill) are compute-bound: F.linear
 PADS = (2, 4, 8)
@@ -66,6 +67,7 @@ class MatmulRouter:
         self.force = force  # one candidate for every shape (benchmarks compare the router against each)
         self.choice: dict[tuple, tuple[str, int]] = {}
         self.timings: dict[tuple, dict[tuple[str, int], float]] = {}  # key -> candidate -> fastest ms
+        self.fused: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # layer -> {(rows, threads, force): bool}
 
     @staticmethod
     def key(rows: int, dtype: torch.dtype, shape) -> tuple:
@@ -81,6 +83,29 @@ class MatmulRouter:
             self.calibrate(rows, weight)
         y = thin_product(x, weight, self.force or self.choice[key])
         return y if bias is None else y + bias
+
+    def layer(self, layer, x: torch.Tensor, ctx, kv_cache) -> torch.Tensor | None:
+        """A cached step of decoder layer `layer` as one fused op (kernels/decode_layer.py) where the op computes
+        that layer and every one of its products at this row count goes to the thin kernel (measured or forced);
+        None otherwise, and before the products are calibrated: the modules then run, and calibrate them."""
+        rows = x.numel() // x.shape[-1]
+        if (rows > thin_matmul.MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu" or ctx.mask is None
+                or not isinstance(kv_cache, KVCache) or torch.is_grad_enabled()):
+            return None
+        known = self.fused.setdefault(layer, {})
+        key = (rows, torch.get_num_threads(), self.force)
+        if key not in known:
+            if not decode_layer.supports(layer):
+                known[key] = False
+            else:
+                picks = [self.force or self.choice.get(self.key(rows, w.dtype, w.shape))
+                         for w in decode_layer.weights(layer)]
+                if None in picks:
+                    return None
+                known[key] = all(p[0] == "thin" for p in picks)
+        if not known[key]:
+            return None
+        return decode_layer.decode_layer(layer, x, ctx.rope, ctx.mask, kv_cache, ctx.cache_positions)
 
     @torch.inference_mode()
     def calibrate(self, rows: int, weight: torch.Tensor) -> None:

@@ -24,7 +24,8 @@ import warnings
 
 import torch
 
-SOURCE = pathlib.Path(__file__).parent / "csrc" / "thin_matmul.cpp"
+# one extension, op namespace mtpkit_cpu: the thin product and the fused decoder layer built on it (decode_layer.py)
+SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("thin_matmul.cpp", "decode_layer.cpp")]
 MAX_ROWS = 8
 
 
@@ -53,7 +54,7 @@ def available() -> bool:
         from torch.utils.cpp_extension import load
 
         _put_ninja_on_path()
-        load("mtpkit_thin_matmul", [str(SOURCE)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+        load("mtpkit_cpu_kernels", [str(p) for p in SOURCES], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
              extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as e:  # no compiler, no ninja, a failed build: decoding keeps torch's own products
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [""]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..kernels.linear import routed_layer
 from .attention import Attention
 from .config import ModelConfig
 from .gated_deltanet import GatedDeltaNet
@@ -40,6 +41,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zc)
 
     def forward(self, x: torch.Tensor, ctx: Context, cache=None) -> torch.Tensor:
+        fused = routed_layer(self, x, ctx, cache)  # decoding on CPU: the whole layer as one op, where measured faster
+        if fused is not None:
+            return fused
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
             h = self.linear_attn(h, cache, ctx.segment_ids)

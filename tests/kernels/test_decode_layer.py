@@ -1,0 +1,129 @@
+"""The fused decoder-layer op against the layer's own modules (the reference): outputs and cache writes for decode,
+verify and draft-tree steps of Llama (rope scaling), Qwen2 (QKV bias), Qwen3 (QK-norm) and an MTP layer, batched;
+which layers it takes; that the router sends decoding through it, with greedy output equal to full forwards."""
+
+import pytest
+import torch
+from tiny_models import hf_model, random_mtp_tensors, save_hf
+
+import mtpkit
+from mtpkit.decode import matmul_routing as routing
+from mtpkit.decode.cache import Cache
+from mtpkit.kernels import decode_layer, thin_matmul
+
+pytestmark = pytest.mark.skipif(not thin_matmul.supported(), reason="the CPU kernels need an x86-64 CPU with AVX2")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    ref = hf_model(request.param)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)  # Qwen2's QKV biases start at 0: make a missing bias show
+    save_hf(ref, path, mtp_tensors=random_mtp_tensors(ref))
+    return mtpkit.load_model(path)
+
+
+def _step(model, layer, B, T, tree=None, seed=0):
+    """A cache holding a random prefix per row (rows at different lengths), and the context of a T-token step."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    cache = Cache(cfg, B, 64, torch.float32, "cpu")
+    kv = cache.layers[0] if layer is not model.mtp.layers[0] else cache.mtp[0]
+    kv.k.normal_(generator=g)
+    kv.v.normal_(generator=g)
+    start = torch.tensor([[9], [4], [13]][:B])
+    slots = start + torch.arange(T)  # [B, T]
+    ctx = model.context(slots, None, cache, slots, torch.float32, int(slots.max()) + 1, tree)
+    x = torch.randn(B, T, cfg.hidden_size, generator=g)
+    return x, ctx, kv
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (2, 1), (1, 4), (2, 4), (1, 8)])
+@pytest.mark.parametrize("which", ["trunk", "mtp"])
+def test_equals_the_modules(model, B, T, which):
+    layer = model.model.layers[0] if which == "trunk" else model.mtp.layers[0]
+    assert decode_layer.supports(layer)
+    x, ctx, kv = _step(model, layer, B, T)
+    k0, v0 = kv.k.clone(), kv.v.clone()
+    with torch.inference_mode():
+        ref = layer(x, ctx, kv)
+        ref_k, ref_v = kv.k.clone(), kv.v.clone()
+        kv.k.copy_(k0)
+        kv.v.copy_(v0)
+        got = decode_layer.decode_layer(layer, x, ctx.rope, ctx.mask, kv, ctx.cache_positions)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv.k, ref_k, rtol=1e-5, atol=1e-5)  # this step's K/V written where the modules do
+    torch.testing.assert_close(kv.v, ref_v, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(kv.k, k0)
+
+
+def test_a_draft_tree_mask(model):
+    # root, chain of 2, one leaf off the root: token 3 sees the root and itself only
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
+    layer = model.model.layers[1]
+    x, ctx, kv = _step(model, layer, 2, 4, tree=tree, seed=3)
+    with torch.inference_mode():
+        ref = layer(x, ctx, kv)
+        got = decode_layer.decode_layer(layer, x, ctx.rope, ctx.mask, kv, ctx.cache_positions)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_which_layers_it_takes(tmp_path):
+    ref = hf_model("qwen3_5")  # gated attention, zero-centred norms, Gated DeltaNet layers
+    save_hf(ref, tmp_path / "q", mtp_tensors=random_mtp_tensors(ref))
+    hybrid = mtpkit.load_model(tmp_path / "q")
+    assert not any(decode_layer.supports(layer) for layer in hybrid.model.layers)
+    ref = hf_model("llama")
+    save_hf(ref, tmp_path / "l")
+    llama = mtpkit.load_model(tmp_path / "l")
+    assert decode_layer.supports(llama.model.layers[0])
+    assert not decode_layer.supports(llama.to(torch.bfloat16).model.layers[0])
+
+
+def test_bad_calls_are_refused(model):
+    layer = model.model.layers[0]
+    x, ctx, kv = _step(model, layer, 1, 1)
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        decode_layer.decode_layer(layer, x.expand(1, 9, -1), ctx.rope, ctx.mask.expand(1, 1, 9, -1), kv,
+                                  ctx.cache_positions.expand(1, 9))
+    with pytest.raises(RuntimeError, match="outside"):
+        decode_layer.decode_layer(layer, x, ctx.rope, ctx.mask, kv, ctx.cache_positions + 1000)
+
+
+def test_decoding_goes_through_it(model, one_thread):
+    with torch.no_grad():
+        model.output_weight.mul_(8.0)  # greedy choices far from rounding ties
+    try:
+        calls = []
+        real = decode_layer.decode_layer
+
+        def counted(layer, x, *args):
+            calls.append(x.numel() // x.shape[-1])
+            return real(layer, x, *args)
+
+        router = routing.router_for(model)
+        prompts = [[1, 5, 9, 30, 2], [7, 3]]
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(decode_layer, "decode_layer", counted)
+            mp.setattr(router, "force", ("thin", 1))  # every product through the thin kernel: every layer fused
+            plain = mtpkit.generate(model, prompts, max_new_tokens=12)
+            spec = mtpkit.generate(model, prompts, max_new_tokens=12, draft_tokens=3)
+            tree = mtpkit.generate(model, prompts, max_new_tokens=12, draft_tokens=2, draft_widths=[3])
+            mp.setattr(router, "force", ("linear", 1))  # torch's products: the modules run
+            n = len(calls)
+            assert mtpkit.generate(model, prompts, max_new_tokens=12).tokens == plain.tokens
+            assert len(calls) == n
+        assert {2, 8} <= set(calls)  # decode and verify steps of both rows
+        with torch.no_grad():
+            for prompt, out in zip(prompts, plain.tokens):
+                ids = list(prompt)
+                for t in out:
+                    assert t == model(torch.tensor([ids])).logits[0, -1].argmax().item()
+                    ids.append(t)
+        assert spec.tokens == plain.tokens and tree.tokens == plain.tokens
+    finally:
+        with torch.no_grad():
+            model.output_weight.div_(8.0)

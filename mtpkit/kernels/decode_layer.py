@@ -24,14 +24,14 @@ from .linear import Linear
 
 def supports(layer) -> bool:
     """Whether `layer` (models.block.DecoderLayer) is one the fused op computes exactly."""
-    from ..models.layers import MLP
-
     attn, mlp = getattr(layer, "self_attn", None), layer.mlp
-    if attn is None or attn.gated or type(mlp) is not MLP:
+    # the dense SwiGLU MLP is the one with these three (an MoE block has experts and a router gate instead)
+    swiglu = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    if attn is None or attn.gated or None in swiglu:
         return False
     norms = [layer.input_layernorm, layer.post_attention_layernorm] + (
         [attn.q_norm, attn.k_norm] if attn.q_norm is not None else [])
-    linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *swiglu]
     return (all(type(m) is Linear and m.weight.dtype == torch.float32 for m in linears)
             and attn.o_proj.bias is None and mlp.gate_proj.bias is None and mlp.down_proj.bias is None
             and not any(n.zero_centered or n.weight.dtype != torch.float32 for n in norms)

@@ -10,6 +10,7 @@ import mtpkit
 from mtpkit.decode import matmul_routing as routing
 from mtpkit.decode.cache import Cache
 from mtpkit.kernels import decode_layer, thin_matmul
+from mtpkit.models.block import DecoderLayer
 
 pytestmark = pytest.mark.skipif(not thin_matmul.supported(), reason="the CPU kernels need an x86-64 CPU with AVX2")
 
@@ -80,6 +81,8 @@ def test_which_layers_it_takes(tmp_path):
     save_hf(ref, tmp_path / "l")
     llama = mtpkit.load_model(tmp_path / "l")
     assert decode_layer.supports(llama.model.layers[0])
+    moe = llama.config.replace(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    assert not decode_layer.supports(DecoderLayer(moe, "full_attention", moe=True))
     assert not decode_layer.supports(llama.to(torch.bfloat16).model.layers[0])
 
 

@@ -90,7 +90,7 @@ class MatmulRouter:
         None otherwise, and before the products are calibrated: the modules then run, and calibrate them."""
         rows = x.numel() // x.shape[-1]
         if (rows > thin_matmul.MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu" or ctx.mask is None
-                or not isinstance(kv_cache, KVCache) or torch.is_grad_enabled()):
+                or not isinstance(kv_cache, KVCache) or not kv_cache.k.is_contiguous() or torch.is_grad_enabled()):
             return None
         known = self.fused.setdefault(layer, {})
         key = (rows, torch.get_num_threads(), self.force)

@@ -1,4 +1,5 @@
-"""Thin fp32 products on x86 CPUs with AVX2 and FMA: a small C++ kernel (csrc/thin_matmul.cpp), built on first use.
+"""Thin fp32 products on x86 CPUs with AVX2 and FMA: a small C++ kernel (csrc/thin_product.h, the op in
+csrc/thin_matmul.cpp), built on first use together with the fused decoder layer that reuses it (decode_layer.py).
 
 Why hand-written: a decode or verify step multiplies each weight by 1 to 8 rows, so it should stream the weights at
 the memory's read bandwidth. Measured on a 2-core AVX2-only AMD EPYC (torch 2.13, read bandwidth 16 GB/s), every

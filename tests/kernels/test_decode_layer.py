@@ -92,6 +92,9 @@ def test_bad_calls_are_refused(model):
     with pytest.raises(RuntimeError, match="1 to 8 rows"):
         decode_layer.decode_layer(layer, x.expand(1, 9, -1), ctx.rope, ctx.mask.expand(1, 1, 9, -1), kv,
                                   ctx.cache_positions.expand(1, 9))
+    with pytest.raises(RuntimeError, match="weight shapes do not match"):
+        decode_layer.decode_layer(layer, torch.randn(1, 1, x.shape[-1] + 8), ctx.rope, ctx.mask, kv,
+                                  ctx.cache_positions)
     with pytest.raises(RuntimeError, match="outside"):
         decode_layer.decode_layer(layer, x, ctx.rope, ctx.mask, kv, ctx.cache_positions + 1000)
 

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <initializer_list>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "thin_product.h"
@@ -46,7 +47,8 @@ float dot(const float* a, const float* b, int64_t n) {
 void axpy(float a, const float* x, float* y, int64_t n) {
   const __m256 av = _mm256_set1_ps(a);
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
@@ -94,16 +96,24 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const
   const int64_t n_heads = wq.size(0) / D, I = w_gate.size(0), r = cos.size(-1), S = mask.size(-1);
   TORCH_CHECK(n_heads % n_kv == 0 && wk.size(0) == n_kv * D && wo.size(1) == n_heads * D && r % 2 == 0 && r <= D,
               "decode_layer: attention shapes do not match the caches");
+  TORCH_CHECK(wq.size(1) == H && wk.size(1) == H && wv.size(0) == n_kv * D && wv.size(1) == H && wo.size(0) == H &&
+                  w_gate.size(1) == H && w_up.sizes() == w_gate.sizes() && w_down.size(0) == H &&
+                  w_down.size(1) == I && input_norm.numel() == H && post_norm.numel() == H &&
+                  cos.numel() == M * r && sin.numel() == M * r,
+              "decode_layer: weight shapes do not match x [B, T, H]");
   TORCH_CHECK(mask.numel() == M * S && S <= L && slots.numel() == M && slots.scalar_type() == at::kLong,
               "decode_layer: mask [B, 1, T, S] and slots [B, T] (int64) expected");
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&input_norm, &post_norm, &wq, &wk, &wv, &wo, &w_gate, &w_up, &w_down, &cos, &sin,
-                              &k_cache, &v_cache, &mask})
+  using Tensors = std::initializer_list<const at::Tensor*>;
+  for (const at::Tensor* t : Tensors{&input_norm, &post_norm, &wq, &wk, &wv, &wo, &w_gate, &w_up, &w_down, &cos, &sin,
+                                     &k_cache, &v_cache, &mask})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "decode_layer: contiguous fp32 tensors only");
-  for (const c10::optional<at::Tensor>* t : std::initializer_list<const c10::optional<at::Tensor>*>{&bq, &bk, &bv, &q_norm, &k_norm})
-    TORCH_CHECK(!t->has_value() || ((*t)->scalar_type() == at::kFloat && (*t)->is_contiguous()),
-                "decode_layer: contiguous fp32 tensors only");
-  const float e = static_cast<float>(eps);
   const int64_t QD = n_heads * D, KD = n_kv * D;
+  using Optional = std::pair<const c10::optional<at::Tensor>*, int64_t>;  // an optional tensor, its size
+  for (const Optional& t : std::initializer_list<Optional>{{&bq, QD}, {&bk, KD}, {&bv, KD}, {&q_norm, D}, {&k_norm, D}})
+    TORCH_CHECK(!t.first->has_value() || ((*t.first)->scalar_type() == at::kFloat && (*t.first)->is_contiguous() &&
+                                          (*t.first)->numel() == t.second),
+                "decode_layer: biases and QK-norm weights must be contiguous fp32 of the projections' sizes");
+  const float e = static_cast<float>(eps);
 
   at::Tensor out = at::empty_like(x);
   std::vector<float> h(M * std::max(H, QD)), q(M * QD), k(M * KD), v(M * KD), attn(M * QD), gate(M * I),

@@ -67,7 +67,8 @@ class MatmulRouter:
         self.force = force  # one candidate for every shape (benchmarks compare the router against each)
         self.choice: dict[tuple, tuple[str, int]] = {}
         self.timings: dict[tuple, dict[tuple[str, int], float]] = {}  # key -> candidate -> fastest ms
-        self.fused: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # layer -> {(rows, threads, force): bool}
+        # decoder layer -> {(rows, threads, force): its fused op's weights, or None where the modules run}
+        self.fused: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
     @staticmethod
     def key(rows: int, dtype: torch.dtype, shape) -> tuple:
@@ -96,16 +97,17 @@ class MatmulRouter:
         key = (rows, torch.get_num_threads(), self.force)
         if key not in known:
             if not decode_layer.supports(layer):
-                known[key] = False
+                known[key] = None
             else:
+                weights = decode_layer.layer_weights(layer)
                 picks = [self.force or self.choice.get(self.key(rows, w.dtype, w.shape))
-                         for w in decode_layer.weights(layer)]
+                         for w in decode_layer.products(weights)]
                 if None in picks:
                     return None
-                known[key] = all(p[0] == "thin" for p in picks)
-        if not known[key]:
-            return None
-        return decode_layer.decode_layer(layer, x, ctx.rope, ctx.mask, kv_cache, ctx.cache_positions)
+                known[key] = weights if all(p[0] == "thin" for p in picks) else None
+        weights = known[key]
+        return None if weights is None else decode_layer.decode_layer(weights, x, ctx.rope, ctx.mask, kv_cache,
+                                                                      ctx.cache_positions)
 
     @torch.inference_mode()
     def calibrate(self, rows: int, weight: torch.Tensor) -> None:

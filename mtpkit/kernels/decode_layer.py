@@ -38,26 +38,28 @@ def supports(layer) -> bool:
             and len({n.eps for n in norms}) == 1)
 
 
-def weights(layer) -> list[torch.Tensor]:
-    """The layer's product weights, in the op's order (the router checks its choice for each)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return [m.weight for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
-                               mlp.down_proj)]
-
-
-def decode_layer(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, kv_cache,
-                 slots: torch.Tensor) -> torch.Tensor:
-    """`layer(x, ctx, kv_cache)` for x [B, T, H] with B * T <= 8 rows: rope = (cos, sin) [B, T, r], the additive
-    mask [B, 1, T, S] over the first S cache slots, slots [B, T] where this step's K/V go."""
-    if not thin_matmul.available():
-        raise RuntimeError("the CPU kernels are not available on this machine (see the warning above)")
+def layer_weights(layer) -> tuple:
+    """The op's weight arguments of a supported layer, resolved once (the router keeps them per layer: gathering
+    them from the modules on every call cost ~60 us a layer, ~2 ms a SmolLM2 step)."""
     attn, mlp = layer.self_attn, layer.mlp
     q_norm = None if attn.q_norm is None else attn.q_norm.weight
     k_norm = None if attn.k_norm is None else attn.k_norm.weight
-    cos, sin = rope
-    return torch.ops.mtpkit_cpu.decode_layer(
-        x.contiguous(), layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-        layer.input_layernorm.eps, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.q_proj.bias,
-        attn.k_proj.bias, attn.v_proj.bias, q_norm, k_norm, attn.o_proj.weight, mlp.gate_proj.weight,
-        mlp.up_proj.weight, mlp.down_proj.weight, cos.contiguous(), sin.contiguous(), kv_cache.k, kv_cache.v,
-        slots.contiguous(), mask.contiguous())
+    return (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
+            attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.q_proj.bias, attn.k_proj.bias,
+            attn.v_proj.bias, q_norm, k_norm, attn.o_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
+            mlp.down_proj.weight)
+
+
+def products(weights: tuple) -> tuple:
+    """The product weights among `layer_weights` (q, k, v, o, gate, up, down): the router checks its choice for each."""
+    return weights[3:6] + weights[11:]
+
+
+def decode_layer(weights: tuple, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
+                 kv_cache, slots: torch.Tensor) -> torch.Tensor:
+    """`layer(x, ctx, kv_cache)` for x [B, T, H] with B * T <= 8 rows, given `layer_weights(layer)`: rope = (cos,
+    sin) [B, T, r], the additive mask [B, 1, T, S] over the first S cache slots, slots [B, T] where this step's
+    K/V go."""
+    if not thin_matmul.available():
+        raise RuntimeError("the CPU kernels are not available on this machine (see the warning above)")
+    return torch.ops.mtpkit_cpu.decode_layer(x, *weights, *rope, kv_cache.k, kv_cache.v, slots, mask)

@@ -42,6 +42,10 @@ def _step(model, layer, B, T, tree=None, seed=0):
     return x, ctx, kv
 
 
+def fused(layer, *args):
+    return decode_layer.decode_layer(decode_layer.layer_weights(layer), *args)
+
+
 @pytest.mark.parametrize("B,T", [(1, 1), (2, 1), (1, 4), (2, 4), (1, 8)])
 @pytest.mark.parametrize("which", ["trunk", "mtp"])
 def test_equals_the_modules(model, B, T, which):
@@ -54,7 +58,7 @@ def test_equals_the_modules(model, B, T, which):
         ref_k, ref_v = kv.k.clone(), kv.v.clone()
         kv.k.copy_(k0)
         kv.v.copy_(v0)
-        got = decode_layer.decode_layer(layer, x, ctx.rope, ctx.mask, kv, ctx.cache_positions)
+        got = fused(layer, x, ctx.rope, ctx.mask, kv, ctx.cache_positions)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(kv.k, ref_k, rtol=1e-5, atol=1e-5)  # this step's K/V written where the modules do
     torch.testing.assert_close(kv.v, ref_v, rtol=1e-5, atol=1e-5)
@@ -68,7 +72,7 @@ def test_a_draft_tree_mask(model):
     x, ctx, kv = _step(model, layer, 2, 4, tree=tree, seed=3)
     with torch.inference_mode():
         ref = layer(x, ctx, kv)
-        got = decode_layer.decode_layer(layer, x, ctx.rope, ctx.mask, kv, ctx.cache_positions)
+        got = fused(layer, x, ctx.rope, ctx.mask, kv, ctx.cache_positions)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -90,13 +94,11 @@ def test_bad_calls_are_refused(model):
     layer = model.model.layers[0]
     x, ctx, kv = _step(model, layer, 1, 1)
     with pytest.raises(RuntimeError, match="1 to 8 rows"):
-        decode_layer.decode_layer(layer, x.expand(1, 9, -1), ctx.rope, ctx.mask.expand(1, 1, 9, -1), kv,
-                                  ctx.cache_positions.expand(1, 9))
+        fused(layer, x.expand(1, 9, -1), ctx.rope, ctx.mask.expand(1, 1, 9, -1), kv, ctx.cache_positions.expand(1, 9))
     with pytest.raises(RuntimeError, match="weight shapes do not match"):
-        decode_layer.decode_layer(layer, torch.randn(1, 1, x.shape[-1] + 8), ctx.rope, ctx.mask, kv,
-                                  ctx.cache_positions)
+        fused(layer, torch.randn(1, 1, x.shape[-1] + 8), ctx.rope, ctx.mask, kv, ctx.cache_positions)
     with pytest.raises(RuntimeError, match="outside"):
-        decode_layer.decode_layer(layer, x, ctx.rope, ctx.mask, kv, ctx.cache_positions + 1000)
+        fused(layer, x, ctx.rope, ctx.mask, kv, ctx.cache_positions + 1000)
 
 
 def test_decoding_goes_through_it(model, one_thread):
@@ -106,9 +108,9 @@ def test_decoding_goes_through_it(model, one_thread):
         calls = []
         real = decode_layer.decode_layer
 
-        def counted(layer, x, *args):
+        def counted(weights, x, *args):
             calls.append(x.numel() // x.shape[-1])
-            return real(layer, x, *args)
+            return real(weights, x, *args)
 
         router = routing.router_for(model)
         prompts = [[1, 5, 9, 30, 2], [7, 3]]

@@ -77,16 +77,19 @@ void add_bias(float* y, const float* b, int64_t M, int64_t N) {
 
 // x [B, T, H] -> the layer's output [B, T, H]; writes this step's K/V at `slots` [B, T] of the caches
 // [B, L, n_kv, D] and attends over their first S slots with the additive mask [B, 1, T, S].
-at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
+at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
                         const at::Tensor& wq, const at::Tensor& wk, const at::Tensor& wv,
                         const c10::optional<at::Tensor>& bq, const c10::optional<at::Tensor>& bk,
                         const c10::optional<at::Tensor>& bv, const c10::optional<at::Tensor>& q_norm,
                         const c10::optional<at::Tensor>& k_norm, const at::Tensor& wo, const at::Tensor& w_gate,
-                        const at::Tensor& w_up, const at::Tensor& w_down, const at::Tensor& cos,
-                        const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
-                        const at::Tensor& mask) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
-              "decode_layer: x must be a contiguous fp32 CPU tensor [B, T, H]");
+                        const at::Tensor& w_up, const at::Tensor& w_down, const at::Tensor& cos_in,
+                        const at::Tensor& sin_in, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots_in,
+                        const at::Tensor& mask_in) {
+  // the step's small inputs may come as views (a prefill's expanded slot grid): contiguous copies of those
+  const at::Tensor x = x_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous(),
+                   slots = slots_in.contiguous(), mask = mask_in.contiguous();
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "decode_layer: x must be an fp32 CPU tensor [B, T, H]");
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T;
   TORCH_CHECK(M >= 1 && M <= 8, "decode_layer: 1 to 8 rows (B * T), got ", M);
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&

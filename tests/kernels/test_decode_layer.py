@@ -97,8 +97,11 @@ def test_bad_calls_are_refused(model):
         fused(layer, x.expand(1, 9, -1), ctx.rope, ctx.mask.expand(1, 1, 9, -1), kv, ctx.cache_positions.expand(1, 9))
     with pytest.raises(RuntimeError, match="weight shapes do not match"):
         fused(layer, torch.randn(1, 1, x.shape[-1] + 8), ctx.rope, ctx.mask, kv, ctx.cache_positions)
-    with pytest.raises(RuntimeError, match="outside"):
-        fused(layer, x, ctx.rope, ctx.mask, kv, ctx.cache_positions + 1000)
+    k0 = kv.k.clone()
+    with pytest.raises(RuntimeError, match="outside"):  # the second row's slot: the first row's K/V not written
+        fused(layer, x.expand(1, 2, -1), (ctx.rope[0].expand(1, 2, -1), ctx.rope[1].expand(1, 2, -1)),
+              ctx.mask.expand(1, 1, 2, -1), kv, torch.tensor([[3, 1000]]))
+    assert torch.equal(kv.k, k0)
 
 
 def test_decoding_goes_through_it(model, one_thread):

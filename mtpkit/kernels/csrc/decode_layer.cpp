@@ -137,13 +137,14 @@ at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& input_norm, co
   const float* cp = cos.const_data_ptr<float>();
   const float* sp = sin.const_data_ptr<float>();
   const int64_t* slot = slots.const_data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m)  // before any write: a refused call leaves the caches as they were
+    TORCH_CHECK(slot[m] >= 0 && slot[m] < L, "decode_layer: cache slot ", slot[m], " outside [0, ", L, ")");
   float* kc = k_cache.mutable_data_ptr<float>();
   float* vc = v_cache.mutable_data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
     rotate(q.data() + m * QD, cp + m * r, sp + m * r, n_heads, D, r);
     rotate(k.data() + m * KD, cp + m * r, sp + m * r, n_kv, D, r);
     const int64_t b = m / T, s = slot[m];
-    TORCH_CHECK(s >= 0 && s < L, "decode_layer: cache slot ", s, " outside [0, ", L, ")");
     std::copy_n(k.data() + m * KD, KD, kc + (b * L + s) * KD);
     std::copy_n(v.data() + m * KD, KD, vc + (b * L + s) * KD);
   }

@@ -5,7 +5,7 @@ on it is lossless, and inputs the kernel cannot take are refused in one line."""
 import pytest
 import torch
 import torch.nn.functional as F
-from drafting import PROMPTS, drafting_model
+from drafting import PROMPTS, assert_greedy_is_full_forward_argmax, drafting_model
 from tiny_models import hf_model, save_hf
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -110,13 +110,7 @@ def test_quantize_int8_replaces_the_trunk_mtp_and_output_projection():
 @pytest.mark.parametrize("family", ["qwen3_5", "llama"])
 def test_quantized_greedy_decoding_is_the_argmax_of_its_full_forward(family):
     model = _quantized(family)
-    out = mtpkit.generate(model, PROMPTS, max_new_tokens=16).tokens
-    with torch.no_grad():
-        for p, toks in zip(PROMPTS, out):
-            ids = list(p)
-            for t in toks:  # each decoded token is the argmax of a full forward of the int8 model over what precedes
-                assert t == model(torch.tensor([ids])).logits[0, -1].argmax().item(), (ids, t)
-                ids.append(t)
+    assert_greedy_is_full_forward_argmax(model, PROMPTS, mtpkit.generate(model, PROMPTS, max_new_tokens=16).tokens)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "llama"])

@@ -4,6 +4,7 @@ which layers it takes; that the router sends decoding through it, with greedy ou
 
 import pytest
 import torch
+from drafting import assert_greedy_is_full_forward_argmax
 from tiny_models import hf_model, random_mtp_tensors, save_hf
 
 import mtpkit
@@ -128,12 +129,7 @@ def test_decoding_goes_through_it(model, one_thread):
             assert mtpkit.generate(model, prompts, max_new_tokens=12).tokens == plain.tokens
             assert len(calls) == n
         assert {2, 8} <= set(calls)  # decode and verify steps of both rows
-        with torch.no_grad():
-            for prompt, out in zip(prompts, plain.tokens):
-                ids = list(prompt)
-                for t in out:
-                    assert t == model(torch.tensor([ids])).logits[0, -1].argmax().item()
-                    ids.append(t)
+        assert_greedy_is_full_forward_argmax(model, prompts, plain.tokens)
         assert spec.tokens == plain.tokens and tree.tokens == plain.tokens
     finally:
         with torch.no_grad():

@@ -79,3 +79,13 @@ def parallel_drafting_model(family: str, heads: int = 3, noise: float = 0.14, se
         opt.step()
         opt.zero_grad()
     return model.eval()
+
+
+def assert_greedy_is_full_forward_argmax(model, prompts, outputs) -> None:
+    """Each decoded token is the argmax of a full forward (no cache) over its prompt and the tokens before it."""
+    with torch.no_grad():
+        for prompt, out in zip(prompts, outputs):
+            ids = list(prompt)
+            for t in out:
+                assert t == model(torch.tensor([ids])).logits[0, -1].argmax().item(), (ids, t)
+                ids.append(t)

@@ -33,7 +33,7 @@ def supports(layer) -> bool:
         [attn.q_norm, attn.k_norm] if attn.q_norm is not None else [])
     linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *swiglu]
     return (all(type(m) is Linear and m.weight.dtype == torch.float32 for m in linears)
-            and attn.o_proj.bias is None and mlp.gate_proj.bias is None and mlp.down_proj.bias is None
+            and attn.o_proj.bias is None and all(m.bias is None for m in swiglu)
             and not any(n.zero_centered or n.weight.dtype != torch.float32 for n in norms)
             and len({n.eps for n in norms}) == 1)
 

@@ -101,7 +101,7 @@ class MatmulRouter:
             else:
                 weights = decode_layer.layer_weights(layer)
                 picks = [self.force or self.choice.get(self.key(rows, w.dtype, w.shape))
-                         for w in decode_layer.products(weights)]
+                         for w in weights.products()]
                 if None in picks:
                     return None
                 known[key] = weights if all(p[0] == "thin" for p in picks) else None

@@ -16,6 +16,8 @@ every product of the layer at that row count.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from . import thin_matmul
@@ -38,24 +40,43 @@ def supports(layer) -> bool:
             and len({n.eps for n in norms}) == 1)
 
 
-def layer_weights(layer) -> tuple:
+class LayerWeights(NamedTuple):
+    """The op's weight arguments, in its order (unpacked into the call)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    bq: torch.Tensor | None
+    bk: torch.Tensor | None
+    bv: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    wo: torch.Tensor
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+
+    def products(self) -> tuple[torch.Tensor, ...]:
+        """The product weights: the router checks its choice for each."""
+        return self.wq, self.wk, self.wv, self.wo, self.w_gate, self.w_up, self.w_down
+
+
+def layer_weights(layer) -> LayerWeights:
     """The op's weight arguments of a supported layer, resolved once (the router keeps them per layer: gathering
     them from the modules on every call cost ~60 us a layer, ~2 ms a SmolLM2 step)."""
     attn, mlp = layer.self_attn, layer.mlp
     q_norm = None if attn.q_norm is None else attn.q_norm.weight
     k_norm = None if attn.k_norm is None else attn.k_norm.weight
-    return (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
-            attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.q_proj.bias, attn.k_proj.bias,
-            attn.v_proj.bias, q_norm, k_norm, attn.o_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
-            mlp.down_proj.weight)
+    return LayerWeights(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                        layer.input_layernorm.eps, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
+                        attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias, q_norm, k_norm, attn.o_proj.weight,
+                        mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
 
 
-def products(weights: tuple) -> tuple:
-    """The product weights among `layer_weights` (q, k, v, o, gate, up, down): the router checks its choice for each."""
-    return weights[3:6] + weights[11:]
-
-
-def decode_layer(weights: tuple, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
+def decode_layer(weights: LayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
                  kv_cache, slots: torch.Tensor) -> torch.Tensor:
     """`layer(x, ctx, kv_cache)` for x [B, T, H] with B * T <= 8 rows, given `layer_weights(layer)`: rope = (cos,
     sin) [B, T, r], the additive mask [B, 1, T, S] over the first S cache slots, slots [B, T] where this step's

@@ -4,7 +4,7 @@ benchmark's, and records that replay the model's own greedy output."""
 import json
 from collections import Counter
 
-import torch
+from drafting import assert_greedy_is_full_forward_argmax
 from tiny_models import hf_model, save_hf
 
 import mtpkit
@@ -82,11 +82,8 @@ def test_distill_records_are_the_models_greedy_output(tmp_path):
     for r in records:
         n_prompt = r["loss_mask"].count(0)
         assert r["loss_mask"] == [0] * n_prompt + [1] * (len(r["input_ids"]) - n_prompt)
-        ids = list(r["input_ids"][:n_prompt])
-        with torch.no_grad():  # replay: each completion token is the trunk's argmax (or EOS ended it)
-            for t in r["input_ids"][n_prompt:]:
-                assert model(torch.tensor([ids])).logits[0, -1].argmax().item() == t
-                ids.append(t)
+        # replay: each completion token is the trunk's argmax (or EOS ended it)
+        assert_greedy_is_full_forward_argmax(model, [r["input_ids"][:n_prompt]], [r["input_ids"][n_prompt:]])
 
 
 def test_distill_resumes_after_a_kill_without_repeating_or_losing_a_sample(tmp_path):

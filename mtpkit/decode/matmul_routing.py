@@ -11,7 +11,8 @@ product, over all of the model's weights in model order (the same cache behaviou
 fastest per weight shape for the rest of the process. Candidates: `F.linear` and `W @ x^T`, each on the rows
 as given or padded with zero rows to 2, 4 or 8 (a wider product can stream faster than a thinner one), and for
 fp32 on AVX2 CPUs mtpkit's own thin kernel (kernels/thin_matmul.py; on an AVX2-only EPYC torch's products
-streamed at 2.5-11 GB/s of a 14-21 GB/s read bandwidth).
+streamed at 2.5-11 GB/s of a 14-21 GB/s read bandwidth) with 1, 2 or 4 weight rows per pass ("thin1", "thin2",
+"thin4": which is fastest depends on the row count and the CPU).
 
 Every candidate computes the same product; they may differ in the last bit of rounding, as any two BLAS
 kernels do, so greedy outputs can differ only at exact rounding ties.
@@ -32,6 +33,7 @@ from .cache import KVCache
 
 MAX_ROWS = 8  # wider products (batched generation, prefill) are compute-bound: F.linear
 PADS = (2, 4, 8)
+THIN = {f"thin{b}": b for b in thin_matmul.BLOCKS}  # the thin kernel's candidates -> weight rows per pass
 
 
 def candidates(rows: int, dtype: torch.dtype = torch.float32) -> list[tuple[str, int]]:
@@ -39,7 +41,7 @@ def candidates(rows: int, dtype: torch.dtype = torch.float32) -> list[tuple[str,
     pads = [rows] + [p for p in PADS if p > rows]
     found = [(m, p) for p in pads for m in ("linear", "wxt") if not (m == "wxt" and p == 1)]
     if dtype == torch.float32 and rows <= thin_matmul.MAX_ROWS and thin_matmul.available():
-        found.append(("thin", rows))
+        found += [(m, rows) for m in THIN]
     return found
 
 
@@ -47,8 +49,8 @@ def thin_product(x: torch.Tensor, weight: torch.Tensor, how: tuple[str, int]) ->
     """x [..., K] @ weight[N, K]^T -> [..., N], computed as `how` says: padded with zero rows to how[1] where that
     is wider than x (a narrower one runs as wide as x)."""
     method, padded = how
-    if method == "thin":  # the kernel takes [..., K] as it is: no reshapes on a step's ~200 products
-        return thin_matmul.thin_linear(x, weight)
+    if method in THIN:  # the kernel takes [..., K] as it is: no reshapes on a step's ~200 products
+        return thin_matmul.thin_linear(x, weight, THIN[method])
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0]
     if padded > rows:
@@ -67,7 +69,7 @@ class MatmulRouter:
         self.force = force  # one candidate for every shape (benchmarks compare the router against each)
         self.choice: dict[tuple, tuple[str, int]] = {}
         self.timings: dict[tuple, dict[tuple[str, int], float]] = {}  # key -> candidate -> fastest ms
-        # decoder layer -> {(rows, threads, force): its fused op's weights, or None where the modules run}
+        # decoder layer -> {(rows, threads, force): its fused op's (weights, blocks), or None where the modules run}
         self.fused: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
     @staticmethod
@@ -104,10 +106,12 @@ class MatmulRouter:
                          for w in weights.products()]
                 if None in picks:
                     return None
-                known[key] = weights if all(p[0] == "thin" for p in picks) else None
-        weights = known[key]
-        return None if weights is None else decode_layer.decode_layer(weights, x, ctx.rope, ctx.mask, kv_cache,
-                                                                      ctx.cache_positions)
+                thin = all(m in THIN for m, _ in picks)
+                known[key] = (weights, tuple(THIN[m] for m, _ in picks)) if thin else None
+        if known[key] is None:
+            return None
+        weights, blocks = known[key]
+        return decode_layer.decode_layer(weights, blocks, x, ctx.rope, ctx.mask, kv_cache, ctx.cache_positions)
 
     @torch.inference_mode()
     def calibrate(self, rows: int, weight: torch.Tensor) -> None:

@@ -76,11 +76,11 @@ def layer_weights(layer) -> LayerWeights:
                         mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
 
 
-def decode_layer(weights: LayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
-                 kv_cache, slots: torch.Tensor) -> torch.Tensor:
+def decode_layer(weights: LayerWeights, blocks: tuple[int, ...], x: torch.Tensor,
+                 rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, kv_cache, slots: torch.Tensor) -> torch.Tensor:
     """`layer(x, ctx, kv_cache)` for x [B, T, H] with B * T <= 8 rows, given `layer_weights(layer)`: rope = (cos,
     sin) [B, T, r], the additive mask [B, 1, T, S] over the first S cache slots, slots [B, T] where this step's
-    K/V go."""
+    K/V go; blocks: the thin kernel's weight rows per pass (thin_matmul.BLOCKS) for each of `weights.products()`."""
     if not thin_matmul.available():
         raise RuntimeError("the CPU kernels are not available on this machine (see the warning above)")
-    return torch.ops.mtpkit_cpu.decode_layer(x, *weights, *rope, kv_cache.k, kv_cache.v, slots, mask)
+    return torch.ops.mtpkit_cpu.decode_layer(x, *weights, *rope, kv_cache.k, kv_cache.v, slots, mask, list(blocks))

@@ -6,7 +6,8 @@ the memory's read bandwidth. Measured on a 2-core AVX2-only AMD EPYC (torch 2.13
 library path we could reach streamed far below it: `F.linear` (MKL) 6-7 GB/s with one row and 2.5-4 GB/s with
 4-8, oneDNN through torch 5-11, numpy's OpenBLAS 4-15, MKL's packed GEMM no better than `F.linear`; only fbgemm's
 fp16-weight product came near (it rounds the weights, so not the fp32 model). This kernel reads each weight row
-once against all rows of x held in L1 and reached 8-17 GB/s there at every row count.
+once against all rows of x held in L1 and reached 8-17 GB/s there at every row count. How many weight rows share
+each load of x (`block`) is the caller's choice: the router times each where it runs.
 
 It is one more candidate of the decode router (decode/matmul_routing.py), which uses it only for the shapes where
 it measures fastest on the machine that runs; F.linear stays the reference (tests/kernels/test_thin_matmul.py).
@@ -28,6 +29,7 @@ import torch
 # one extension, op namespace mtpkit_cpu: the thin product and the fused decoder layer built on it (decode_layer.py)
 SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("thin_matmul.cpp", "decode_layer.cpp")]
 MAX_ROWS = 8
+BLOCKS = (1, 2, 4)  # weight rows per pass that share each load of x; the fastest depends on the rows and the CPU
 
 
 def supported() -> bool:
@@ -66,8 +68,9 @@ def available() -> bool:
     return True
 
 
-def thin_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] (at most 8 rows) @ weight [N, K]^T -> [..., N] in fp32 on CPU."""
+def thin_linear(x: torch.Tensor, weight: torch.Tensor, block: int) -> torch.Tensor:
+    """x [..., K] (at most 8 rows) @ weight [N, K]^T -> [..., N] in fp32 on CPU, `block` (one of BLOCKS) weight rows
+    per pass."""
     if not available():
         raise RuntimeError("the thin matmul kernel is not available on this machine (see the warning above)")
-    return torch.ops.mtpkit_cpu.thin_linear(x.contiguous(), weight.contiguous())
+    return torch.ops.mtpkit_cpu.thin_linear(x.contiguous(), weight.contiguous(), block)

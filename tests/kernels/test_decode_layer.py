@@ -2,6 +2,8 @@
 verify and draft-tree steps of Llama (rope scaling), Qwen2 (QKV bias), Qwen3 (QK-norm) and an MTP layer, batched;
 which layers it takes; that the router sends decoding through it, with greedy output equal to full forwards."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from drafting import assert_greedy_is_full_forward_argmax
@@ -43,8 +45,8 @@ def _step(model, layer, B, T, tree=None, seed=0):
     return x, ctx, kv
 
 
-def fused(layer, *args):
-    return decode_layer.decode_layer(decode_layer.layer_weights(layer), *args)
+def fused(layer, *args, blocks=(4, 2, 1, 4, 2, 1, 4)):
+    return decode_layer.decode_layer(decode_layer.layer_weights(layer), blocks, *args)
 
 
 @pytest.mark.parametrize("B,T", [(1, 1), (2, 1), (1, 4), (2, 4), (1, 8)])
@@ -60,6 +62,10 @@ def test_equals_the_modules(model, B, T, which):
         kv.k.copy_(k0)
         kv.v.copy_(v0)
         got = fused(layer, x, ctx.rope, ctx.mask, kv, ctx.cache_positions)
+        for blocks in ((1,) * 7, (2,) * 7, (4,) * 7):  # every product at each weight rows per pass
+            other = SimpleNamespace(k=k0.clone(), v=v0.clone())
+            same = fused(layer, x, ctx.rope, ctx.mask, other, ctx.cache_positions, blocks=blocks)
+            torch.testing.assert_close(same, got, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(kv.k, ref_k, rtol=1e-5, atol=1e-5)  # this step's K/V written where the modules do
     torch.testing.assert_close(kv.v, ref_v, rtol=1e-5, atol=1e-5)
@@ -103,6 +109,10 @@ def test_bad_calls_are_refused(model):
         fused(layer, x.expand(1, 2, -1), (ctx.rope[0].expand(1, 2, -1), ctx.rope[1].expand(1, 2, -1)),
               ctx.mask.expand(1, 1, 2, -1), kv, torch.tensor([[3, 1000]]))
     assert torch.equal(kv.k, k0)
+    with pytest.raises(RuntimeError, match="blocks: 1, 2 or 4"):
+        fused(layer, x, ctx.rope, ctx.mask, kv, ctx.cache_positions, blocks=(4,) * 6)
+    with pytest.raises(RuntimeError, match="blocks: 1, 2 or 4"):
+        fused(layer, x, ctx.rope, ctx.mask, kv, ctx.cache_positions, blocks=(3,) * 7)
 
 
 def test_decoding_goes_through_it(model, one_thread):
@@ -112,15 +122,15 @@ def test_decoding_goes_through_it(model, one_thread):
         calls = []
         real = decode_layer.decode_layer
 
-        def counted(weights, x, *args):
+        def counted(weights, blocks, x, *args):
             calls.append(x.numel() // x.shape[-1])
-            return real(weights, x, *args)
+            return real(weights, blocks, x, *args)
 
         router = routing.router_for(model)
         prompts = [[1, 5, 9, 30, 2], [7, 3]]
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(decode_layer, "decode_layer", counted)
-            mp.setattr(router, "force", ("thin", 1))  # every product through the thin kernel: every layer fused
+            mp.setattr(router, "force", ("thin4", 1))  # every product through the thin kernel: every layer fused
             plain = mtpkit.generate(model, prompts, max_new_tokens=12)
             spec = mtpkit.generate(model, prompts, max_new_tokens=12, draft_tokens=3)
             tree = mtpkit.generate(model, prompts, max_new_tokens=12, draft_tokens=2, draft_widths=[3])

@@ -1,5 +1,6 @@
-"""The thin fp32 kernel against F.linear (the reference): every row count, remainders of its column blocks and of
-its 8-wide vectors, 1 and 2 threads; decoding through it equals a full forward; a failed build falls back."""
+"""The thin fp32 kernel against F.linear (the reference): every row count and weight rows per pass, remainders of
+its column blocks and of its 8-wide vectors, 1 and 2 threads; decoding through it equals a full forward; a failed
+build falls back."""
 
 import warnings
 
@@ -24,14 +25,15 @@ def test_equals_f_linear(threads):
     torch.set_num_threads(threads)
     try:
         for inner in (8, 37, 576):  # 37: a tail after the 8-wide vectors
-            for outer in (1, 3, 5, 130, 1001):  # remainders of the 4-column blocks and of a thread's share
+            for outer in (1, 3, 5, 130, 1001):  # remainders of the 2- and 4-column blocks and of a thread's share
                 w = torch.randn(outer, inner, generator=g)
                 for rows in range(1, 9):
                     x = torch.randn(rows, inner, generator=g)
-                    got = thin_matmul.thin_linear(x, w)
                     ref = torch.nn.functional.linear(x.double(), w.double()).float()
-                    assert got.shape == (rows, outer) and got.dtype == torch.float32
-                    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * inner**0.5)
+                    for block in thin_matmul.BLOCKS:
+                        got = thin_matmul.thin_linear(x, w, block)
+                        assert got.shape == (rows, outer) and got.dtype == torch.float32
+                        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * inner**0.5)
     finally:
         torch.set_num_threads(before)
 
@@ -40,19 +42,21 @@ def test_equals_f_linear(threads):
 def test_strided_and_batched_input_and_bad_calls():
     w = torch.randn(40, 16)
     x = torch.randn(16, 3).T  # a transposed view: made contiguous
-    torch.testing.assert_close(thin_matmul.thin_linear(x, w), x @ w.T)
+    torch.testing.assert_close(thin_matmul.thin_linear(x, w, 4), x @ w.T)
     x = torch.randn(2, 3, 16)  # [B, T, K] -> [B, T, N], as the router passes a step's activations
-    torch.testing.assert_close(thin_matmul.thin_linear(x, w), x @ w.T)
+    torch.testing.assert_close(thin_matmul.thin_linear(x, w, 2), x @ w.T)
     with pytest.raises(RuntimeError, match="1 to 8 rows"):
-        thin_matmul.thin_linear(torch.randn(3, 3, 16), w)
+        thin_matmul.thin_linear(torch.randn(3, 3, 16), w, 1)
     with pytest.raises(RuntimeError, match="fp32 only"):
-        thin_matmul.thin_linear(torch.randn(2, 16).bfloat16(), w.bfloat16())
+        thin_matmul.thin_linear(torch.randn(2, 16).bfloat16(), w.bfloat16(), 1)
+    with pytest.raises(RuntimeError, match="block is 1, 2 or 4"):
+        thin_matmul.thin_linear(x, w, 3)
 
 
 @needs_kernel
 def test_router_offers_it_for_fp32_only():
-    assert ("thin", 3) in routing.candidates(3, torch.float32)
-    assert not any(m == "thin" for m, _ in routing.candidates(3, torch.bfloat16))
+    assert {("thin1", 3), ("thin2", 3), ("thin4", 3)} <= set(routing.candidates(3, torch.float32))
+    assert not any(m in routing.THIN for m, _ in routing.candidates(3, torch.bfloat16))
 
 
 @needs_kernel
@@ -63,13 +67,13 @@ def test_decoding_through_it_equals_a_full_forward(name, tmp_path, one_thread):
         ref.get_output_embeddings().weight.mul_(8.0)  # greedy choices far from rounding ties
     save_hf(ref, tmp_path / name, mtp_tensors=random_mtp_tensors(ref))
     model = mtpkit.load_model(tmp_path / name)
-    routing.router_for(model).force = ("thin", 1)  # every thin product through the kernel (widened to the rows)
+    routing.router_for(model).force = ("thin2", 1)  # every thin product through the kernel (widened to the rows)
     calls = []
     real = thin_matmul.thin_linear
 
-    def counted(x, w):
+    def counted(x, w, block):
         calls.append(x.numel() // x.shape[-1])
-        return real(x, w)
+        return real(x, w, block)
 
     prompts = [[1, 5, 9, 30, 2], [7, 3]]  # a batch of two: decode 2 rows, verify 2 (k + 1) rows
     with pytest.MonkeyPatch.context() as mp:
@@ -96,6 +100,6 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch):
             assert not thin_matmul.available()
             assert not thin_matmul.available()  # cached: one warning
         assert len(caught) == 1 and "Ninja is required" in str(caught[0].message)
-        assert not any(m == "thin" for m, _ in routing.candidates(2, torch.float32))
+        assert not any(m in routing.THIN for m, _ in routing.candidates(2, torch.float32))
     finally:
         thin_matmul.available.cache_clear()

@@ -84,7 +84,7 @@ at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& input_norm, co
                         const c10::optional<at::Tensor>& k_norm, const at::Tensor& wo, const at::Tensor& w_gate,
                         const at::Tensor& w_up, const at::Tensor& w_down, const at::Tensor& cos_in,
                         const at::Tensor& sin_in, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots_in,
-                        const at::Tensor& mask_in) {
+                        const at::Tensor& mask_in, at::IntArrayRef blocks) {
   // the step's small inputs may come as views (a prefill's expanded slot grid): contiguous copies of those
   const at::Tensor x = x_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous(),
                    slots = slots_in.contiguous(), mask = mask_in.contiguous();
@@ -116,6 +116,8 @@ at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& input_norm, co
     TORCH_CHECK(!t.first->has_value() || ((*t.first)->scalar_type() == at::kFloat && (*t.first)->is_contiguous() &&
                                           (*t.first)->numel() == t.second),
                 "decode_layer: biases and QK-norm weights must be contiguous fp32 of the projections' sizes");
+  TORCH_CHECK(blocks.size() == 7 && std::all_of(blocks.begin(), blocks.end(), mtpkit::valid_block),
+              "decode_layer: blocks: 1, 2 or 4 weight rows per pass for each of q, k, v, o, gate, up, down");
   const float e = static_cast<float>(eps);
 
   at::Tensor out = at::empty_like(x);
@@ -126,9 +128,9 @@ at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& input_norm, co
 
   // attention block: norm, projections, QK-norm, rotary, cache write
   rms_norm(xp, input_norm.const_data_ptr<float>(), h.data(), M, H, e);
-  mtpkit::thin_product(h.data(), wq.const_data_ptr<float>(), q.data(), M, QD, H);
-  mtpkit::thin_product(h.data(), wk.const_data_ptr<float>(), k.data(), M, KD, H);
-  mtpkit::thin_product(h.data(), wv.const_data_ptr<float>(), v.data(), M, KD, H);
+  mtpkit::thin_product(h.data(), wq.const_data_ptr<float>(), q.data(), M, QD, H, blocks[0]);
+  mtpkit::thin_product(h.data(), wk.const_data_ptr<float>(), k.data(), M, KD, H, blocks[1]);
+  mtpkit::thin_product(h.data(), wv.const_data_ptr<float>(), v.data(), M, KD, H, blocks[2]);
   add_bias(q.data(), data_or_null(bq), M, QD);
   add_bias(k.data(), data_or_null(bk), M, KD);
   add_bias(v.data(), data_or_null(bv), M, KD);
@@ -183,13 +185,13 @@ at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& input_norm, co
   });
 
   // output projection and residual, then the MLP block and its residual
-  mtpkit::thin_product(attn.data(), wo.const_data_ptr<float>(), h.data(), M, H, QD);
+  mtpkit::thin_product(attn.data(), wo.const_data_ptr<float>(), h.data(), M, H, QD, blocks[3]);
   for (int64_t i = 0; i < M * H; ++i) op[i] = xp[i] + h[i];
   rms_norm(op, post_norm.const_data_ptr<float>(), h.data(), M, H, e);
-  mtpkit::thin_product(h.data(), w_gate.const_data_ptr<float>(), gate.data(), M, I, H);
-  mtpkit::thin_product(h.data(), w_up.const_data_ptr<float>(), up.data(), M, I, H);
+  mtpkit::thin_product(h.data(), w_gate.const_data_ptr<float>(), gate.data(), M, I, H, blocks[4]);
+  mtpkit::thin_product(h.data(), w_up.const_data_ptr<float>(), up.data(), M, I, H, blocks[5]);
   for (int64_t i = 0; i < M * I; ++i) gate[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-  mtpkit::thin_product(gate.data(), w_down.const_data_ptr<float>(), h.data(), M, H, I);
+  mtpkit::thin_product(gate.data(), w_down.const_data_ptr<float>(), h.data(), M, H, I, blocks[6]);
   for (int64_t i = 0; i < M * H; ++i) op[i] += h[i];
   return out;
 }
@@ -200,7 +202,7 @@ TORCH_LIBRARY_FRAGMENT(mtpkit_cpu, m) {
   m.def(
       "decode_layer(Tensor x, Tensor input_norm, Tensor post_norm, float eps, Tensor wq, Tensor wk, Tensor wv, "
       "Tensor? bq, Tensor? bk, Tensor? bv, Tensor? q_norm, Tensor? k_norm, Tensor wo, Tensor w_gate, Tensor w_up, "
-      "Tensor w_down, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor mask) "
-      "-> Tensor");
+      "Tensor w_down, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor mask, "
+      "int[] blocks) -> Tensor");
   m.impl("decode_layer", c10::DispatchKey::CPU, TORCH_FN(decode_layer));
 }

@@ -3,7 +3,12 @@
 //
 // A thin product reads each weight once and multiplies it by only M rows, so it is bound by how fast the weights
 // stream from memory. Each weight row is read once while all M rows of x (a few kB, in L1) are multiplied
-// against it; with 1-2 rows, 4 weight rows at a time share each load of x. Threads split the N output columns.
+// against it, R weight rows at a time sharing each load of x (`block`). Threads split the N output columns.
+//
+// Which R streams fastest depends on M and on the CPU, so the caller passes it and the decode router measures
+// each (decode/matmul_routing.py). On a 2-core AVX2 EPYC, over SmolLM2-135M's weights: R = 4 fastest for 1-5 rows
+// (4 rows 1.07x the time of 1 row, against 1.19x with R = 1), R = 2 for 6-7 (1.16x against 1.30x); at 8 rows
+// R = 1 and 2 tie (1.35x) and R = 4 spills its 32 accumulators (1.77x).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -20,8 +25,7 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Output columns [n0, n1): R weight rows per pass (R * M accumulators stay in the 16 ymm registers), then one
-// row at a time for the remainder. The next pass's weight rows are prefetched: measured on an AVX2 EPYC, one
+// Output columns [n0, n1): R weight rows per pass (R * M accumulators), then one row at a time for the remainder. The next pass's weight rows are prefetched: measured on an AVX2 EPYC, one
 // thread streamed 4-row products at ~1.4x the rate with the prefetch and R = 1 than without it and R = 2.
 // Not inlined: inlined into parallel_for's OpenMP region, GCC kept the accumulators on the stack (a store and a
 // load next to every FMA), and 3-8 row products streamed ~25% slower.
@@ -63,17 +67,28 @@ inline void product(const float* x, const float* w, float* y, int64_t N, int64_t
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) { columns<M, R>(x, w, y, N, K, n0, n1); });
 }
 
-// the product for M = 1..8 rows (the caller checks M)
-inline void thin_product(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {
+inline bool valid_block(int64_t block) { return block == 1 || block == 2 || block == 4; }
+
+template <int M>
+inline void product_rows(const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t block) {
+  switch (block) {
+    case 1: product<M, 1>(x, w, y, N, K); break;
+    case 2: product<M, 2>(x, w, y, N, K); break;
+    default: product<M, 4>(x, w, y, N, K); break;
+  }
+}
+
+// the product for M = 1..8 rows, `block` = R weight rows per pass (the caller checks M and valid_block)
+inline void thin_product(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K, int64_t block) {
   switch (M) {
-    case 1: product<1, 4>(x, w, y, N, K); break;
-    case 2: product<2, 4>(x, w, y, N, K); break;
-    case 3: product<3, 1>(x, w, y, N, K); break;
-    case 4: product<4, 1>(x, w, y, N, K); break;
-    case 5: product<5, 1>(x, w, y, N, K); break;
-    case 6: product<6, 1>(x, w, y, N, K); break;
-    case 7: product<7, 1>(x, w, y, N, K); break;
-    default: product<8, 1>(x, w, y, N, K); break;
+    case 1: product_rows<1>(x, w, y, N, K, block); break;
+    case 2: product_rows<2>(x, w, y, N, K, block); break;
+    case 3: product_rows<3>(x, w, y, N, K, block); break;
+    case 4: product_rows<4>(x, w, y, N, K, block); break;
+    case 5: product_rows<5>(x, w, y, N, K, block); break;
+    case 6: product_rows<6>(x, w, y, N, K, block); break;
+    case 7: product_rows<7>(x, w, y, N, K, block); break;
+    default: product_rows<8>(x, w, y, N, K, block); break;
   }
 }
 

@@ -37,7 +37,7 @@ from ..decode import blockwise
 from ..decode import speculative as spec
 from ..decode.cache import Cache
 from ..decode.generate import generate
-from ..decode.matmul_routing import MatmulRouter, candidates, router_for
+from ..decode.matmul_routing import THIN, MatmulRouter, candidates, router_for
 from ..decode.sampling import SamplingParams
 from ..decode.state import DecodeState
 from ..kernels.linear import routed_linears
@@ -81,14 +81,21 @@ def bandwidth_gbs() -> dict:
 
 
 def weight_bytes(model) -> int:
-    """Bytes a decode step reads: every weight the step multiplies by (the embedding row aside), int8 weights and
-    their scales for a quantised model."""
+    """Bytes a decode step reads: every weight the step multiplies by (the embedding row aside) as the router reads
+    it at one row (an exact bf16 copy where the thin kernel streams one; call it after a routed decode), int8
+    weights and their scales for a quantised model."""
     from ..decode.int8 import Int8Linear
 
     int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
     if int8:
         return sum(t.nbytes for m in int8 for t in m.buffers())
-    return sum(w.nbytes for w in {w.data_ptr(): w for w in router_for(model).weights()}.values())
+    router = router_for(model)
+
+    def read(w):
+        how = router.choice.get(router.key(1, w.dtype, w.shape))
+        return router.stream(w).nbytes if how is not None and how[0] in THIN else w.nbytes
+
+    return sum(read(w) for w in {w.data_ptr(): w for w in router.weights()}.values())
 
 
 @torch.inference_mode()
@@ -176,8 +183,9 @@ def print_step_table(models: dict, args, ks, bw: dict) -> None:
             "draft/sub", "b-even", "b-e/sub"]
     print(f"{'model':<44}" + "".join(f"{c:>10}" for c in cols))
     for name, model in models.items():
+        costs = step_costs(model, ks, args.repeats, args.context, args.draft_vocab, compare_routes=True)
         mb = weight_bytes(model) / 1e6
-        for r in step_costs(model, ks, args.repeats, args.context, args.draft_vocab, compare_routes=True):
+        for r in costs:
             gbs = mb / r["decode"]
             cells = [str(r["k"]), *(f"{r[c]:.1f}" for c in ("decode_plain", "best_single", "decode")), f"{mb:.0f}",
                      f"{gbs:.1f}", f"{100 * gbs / bw['read']:.0f}%", f"{r['verify']:.1f}",

@@ -14,6 +14,11 @@ fp32 on AVX2 CPUs mtpkit's own thin kernel (kernels/thin_matmul.py; on an AVX2-o
 streamed at 2.5-11 GB/s of a 14-21 GB/s read bandwidth) with 1, 2 or 4 weight rows per pass ("thin1", "thin2",
 "thin4": which is fastest depends on the row count and the CPU).
 
+The thin kernel streams an fp32 weight whose every value is exactly a bf16 (a bf16 checkpoint run in fp32, the
+bf16 MTP head shipped with mtpkit) from a bf16 copy: the same weight values, products and greedy tokens, from half
+the bytes. The router keeps those copies (half the fp32 weights' memory) and remakes one after the weight is
+changed in place.
+
 Every candidate computes the same product; they may differ in the last bit of rounding, as any two BLAS
 kernels do, so greedy outputs can differ only at exact rounding ties.
 """
@@ -26,6 +31,7 @@ from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..kernels import decode_layer, thin_matmul
 from ..kernels.linear import Linear
@@ -59,6 +65,15 @@ def thin_product(x: torch.Tensor, weight: torch.Tensor, how: tuple[str, int]) ->
     return y[:rows].contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
+def exact_bf16(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bf16 copy of fp32 `weight` where every value is exactly a bf16 (the low 16 bits of each fp32 are zero),
+    else None."""
+    if weight.dtype != torch.float32 or not weight.is_contiguous():
+        return None
+    w = weight.detach()
+    return None if bool((w.view(torch.int32) & 0xFFFF).any()) else w.bfloat16()
+
+
 class MatmulRouter:
     """Callable as `router(x, weight, bias)`: the measured-fastest way for CPU products with at most MAX_ROWS
     rows, F.linear otherwise. `weights()` gives the model's weights in model order, for calibration passes."""
@@ -71,6 +86,17 @@ class MatmulRouter:
         self.timings: dict[tuple, dict[tuple[str, int], float]] = {}  # key -> candidate -> fastest ms
         # decoder layer -> {(rows, threads, force): its fused op's (weights, blocks), or None where the modules run}
         self.fused: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self.streams = WeakIdKeyDictionary()  # weight -> (its version, its exact bf16 copy or None)
+
+    def stream(self, weight: torch.Tensor) -> torch.Tensor:
+        """What the thin kernel reads for `weight`: its exact bf16 copy where it has one, else the weight; made once
+        per weight and again after an in-place change (its version counter moved; an inference-mode tensor, such
+        as a draft vocabulary's slice made per generate call, has none and keeps its first copy)."""
+        version = None if weight.is_inference() else weight._version
+        entry = self.streams.get(weight)
+        if entry is None or entry[0] != version:
+            entry = self.streams[weight] = (version, exact_bf16(weight))
+        return weight if entry[1] is None else entry[1]
 
     @staticmethod
     def key(rows: int, dtype: torch.dtype, shape) -> tuple:
@@ -84,7 +110,8 @@ class MatmulRouter:
         key = self.key(rows, weight.dtype, weight.shape)
         if self.force is None and key not in self.choice:
             self.calibrate(rows, weight)
-        y = thin_product(x, weight, self.force or self.choice[key])
+        how = self.force or self.choice[key]
+        y = thin_product(x, self.stream(weight) if how[0] in THIN else weight, how)
         return y if bias is None else y + bias
 
     def layer(self, layer, x: torch.Tensor, ctx, kv_cache) -> torch.Tensor | None:
@@ -111,7 +138,8 @@ class MatmulRouter:
         if known[key] is None:
             return None
         weights, blocks = known[key]
-        return decode_layer.decode_layer(weights, blocks, x, ctx.rope, ctx.mask, kv_cache, ctx.cache_positions)
+        streamed = weights._replace(**{n: self.stream(getattr(weights, n)) for n in weights.PRODUCTS})
+        return decode_layer.decode_layer(streamed, blocks, x, ctx.rope, ctx.mask, kv_cache, ctx.cache_positions)
 
     @torch.inference_mode()
     def calibrate(self, rows: int, weight: torch.Tensor) -> None:
@@ -119,15 +147,16 @@ class MatmulRouter:
         is not one of them, e.g. a draft-vocabulary slice), after one untimed warm-up pass each."""
         ws = list({w.data_ptr(): w for w in [*self.weights(), weight]
                    if w.dtype == weight.dtype and w.device.type == "cpu"}.values())
+        streams = [self.stream(w) for w in ws]  # what the thin kernel reads
         xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(w.dtype) for w in ws}
         cands = candidates(rows, weight.dtype)
         samples: dict[tuple, dict] = defaultdict(lambda: defaultdict(list))  # shape -> candidate -> [s]
         for rep in range(self.repeats + 1):
             for c in cands[rep % len(cands):] + cands[: rep % len(cands)]:  # rotate: no candidate always first
                 total: dict[tuple, float] = defaultdict(float)
-                for w in ws:
+                for w, streamed in zip(ws, streams):
                     t = time.perf_counter()
-                    thin_product(xs[w.shape[1]], w, c)
+                    thin_product(xs[w.shape[1]], streamed if c[0] in THIN else w, c)
                     total[tuple(w.shape)] += time.perf_counter() - t
                 if rep:  # rep 0 warms up (oneDNN builds its kernels on first use)
                     for shape, s in total.items():

@@ -59,9 +59,11 @@ class LayerWeights(NamedTuple):
     w_up: torch.Tensor
     w_down: torch.Tensor
 
+    PRODUCTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the product weights, in the op's order
+
     def products(self) -> tuple[torch.Tensor, ...]:
-        """The product weights: the router checks its choice for each."""
-        return self.wq, self.wk, self.wv, self.wo, self.w_gate, self.w_up, self.w_down
+        """The product weights: the router checks its choice for each (and may pass exact bf16 copies)."""
+        return tuple(getattr(self, name) for name in self.PRODUCTS)
 
 
 def layer_weights(layer) -> LayerWeights:

@@ -144,3 +144,38 @@ def test_decoding_goes_through_it(model, one_thread):
     finally:
         with torch.no_grad():
             model.output_weight.div_(8.0)
+
+
+def test_exact_bf16_weights_are_streamed_and_follow_in_place_changes(tmp_path, one_thread):
+    ref = hf_model("qwen3")
+    with torch.no_grad():
+        ref.get_output_embeddings().weight.mul_(8.0)  # greedy choices far from rounding ties
+    save_hf(ref, tmp_path / "m", mtp_tensors=random_mtp_tensors(ref))
+    model = mtpkit.load_model(tmp_path / "m")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())  # a bf16 checkpoint run in fp32
+    seen = []
+    real = decode_layer.decode_layer
+
+    def counted(weights, blocks, x, *args):
+        seen.append({w.dtype for w in weights.products()})
+        return real(weights, blocks, x, *args)
+
+    prompts = [[1, 5, 9, 30, 2], [7, 3]]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decode_layer, "decode_layer", counted)
+        mp.setattr(routing.router_for(model), "force", ("thin4", 1))
+        plain = mtpkit.generate(model, prompts, max_new_tokens=12)
+        spec = mtpkit.generate(model, prompts, max_new_tokens=12, draft_tokens=2)
+        subset = mtpkit.generate(model, prompts, max_new_tokens=12, draft_tokens=2, draft_vocab=torch.arange(64))
+        assert seen and all(dtypes == {torch.bfloat16} for dtypes in seen)  # every layer read its bf16 copies
+        assert_greedy_is_full_forward_argmax(model, prompts, plain.tokens)
+        assert spec.tokens == plain.tokens and subset.tokens == plain.tokens
+        with torch.no_grad():  # in place and still exact: the copies must follow, not serve the old values
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(4.0)
+                layer.mlp.down_proj.weight.mul_(-1.0)
+        again = mtpkit.generate(model, prompts, max_new_tokens=12)
+    assert again.tokens != plain.tokens  # power: the change shows in the output
+    assert_greedy_is_full_forward_argmax(model, prompts, again.tokens)

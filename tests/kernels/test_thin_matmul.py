@@ -47,10 +47,44 @@ def test_strided_and_batched_input_and_bad_calls():
     torch.testing.assert_close(thin_matmul.thin_linear(x, w, 2), x @ w.T)
     with pytest.raises(RuntimeError, match="1 to 8 rows"):
         thin_matmul.thin_linear(torch.randn(3, 3, 16), w, 1)
-    with pytest.raises(RuntimeError, match="fp32 only"):
+    with pytest.raises(RuntimeError, match="fp32 x and fp32 or bf16 weights only"):
         thin_matmul.thin_linear(torch.randn(2, 16).bfloat16(), w.bfloat16(), 1)
+    with pytest.raises(RuntimeError, match="fp32 x and fp32 or bf16 weights only"):
+        thin_matmul.thin_linear(torch.randn(2, 16), w.half(), 1)
     with pytest.raises(RuntimeError, match="block is 1, 2 or 4"):
         thin_matmul.thin_linear(x, w, 3)
+
+
+@needs_kernel
+def test_bf16_weights_give_the_fp32_products_bit_for_bit():
+    """A bf16 weight is read as the fp32 it equals: the same products, in the same order, as its fp32 copy."""
+    g = torch.Generator().manual_seed(1)
+    for inner in (8, 37, 576):
+        for outer in (1, 5, 130):
+            w = torch.randn(outer, inner, generator=g).bfloat16()
+            for rows in range(1, 9):
+                x = torch.randn(rows, inner, generator=g)
+                for block in thin_matmul.BLOCKS:
+                    assert torch.equal(thin_matmul.thin_linear(x, w, block), thin_matmul.thin_linear(x, w.float(), block))
+
+
+@needs_kernel
+def test_the_router_streams_exact_bf16_copies_and_remakes_them_after_a_change():
+    w = torch.randn(64, 32).bfloat16().float()  # every value exactly a bf16, as a bf16 checkpoint loaded in fp32
+    router = routing.MatmulRouter(lambda: [w])
+    copy = router.stream(w)
+    assert copy.dtype == torch.bfloat16 and torch.equal(copy.float(), w) and router.stream(w) is copy
+    noisy = torch.randn(64, 32)
+    assert router.stream(noisy) is noisy  # not exactly bf16: read as it is
+    with torch.no_grad():
+        w.mul_(2.0)  # still exact: the copy follows the new values
+    assert torch.equal(router.stream(w).float(), w)
+    with torch.no_grad():
+        w.add_(1e-3 * torch.randn(64, 32))  # no longer exact: the fp32 weight itself
+    assert router.stream(w) is w
+    with torch.inference_mode():
+        x = torch.randn(3, 32)
+        torch.testing.assert_close(router(x, w), x @ w.T)
 
 
 @needs_kernel

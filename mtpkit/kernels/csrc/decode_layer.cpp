@@ -1,5 +1,6 @@
 // One pre-norm decoder layer (Llama / Qwen2 / Qwen3 attention + SwiGLU MLP) over the 1 to 8 rows of a decode or
-// verify step, in fp32 on CPU, as one op.
+// verify step, in fp32 on CPU, as one op (product weights fp32, or bf16 where the decode router streams exact
+// bf16 copies of them: thin_product.h).
 //
 // Such a step is memory-bound in its products, which the thin kernel streams near the read bandwidth; what is
 // left is ~20 small torch ops per layer (norms, rotary, cache writes, attention, adds), each paying its dispatch
@@ -107,9 +108,11 @@ at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& input_norm, co
   TORCH_CHECK(mask.numel() == M * S && S <= L && slots.numel() == M && slots.scalar_type() == at::kLong,
               "decode_layer: mask [B, 1, T, S] and slots [B, T] (int64) expected");
   using Tensors = std::initializer_list<const at::Tensor*>;
-  for (const at::Tensor* t : Tensors{&input_norm, &post_norm, &wq, &wk, &wv, &wo, &w_gate, &w_up, &w_down, &cos, &sin,
-                                     &k_cache, &v_cache, &mask})
+  for (const at::Tensor* t : Tensors{&input_norm, &post_norm, &cos, &sin, &k_cache, &v_cache, &mask})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "decode_layer: contiguous fp32 tensors only");
+  for (const at::Tensor* t : Tensors{&wq, &wk, &wv, &wo, &w_gate, &w_up, &w_down})
+    TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16) && t->is_contiguous(),
+                "decode_layer: product weights must be contiguous fp32 or bf16");
   const int64_t QD = n_heads * D, KD = n_kv * D;
   using Optional = std::pair<const c10::optional<at::Tensor>*, int64_t>;  // an optional tensor, its size
   for (const Optional& t : std::initializer_list<Optional>{{&bq, QD}, {&bk, KD}, {&bv, KD}, {&q_norm, D}, {&k_norm, D}})
@@ -128,9 +131,9 @@ at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& input_norm, co
 
   // attention block: norm, projections, QK-norm, rotary, cache write
   rms_norm(xp, input_norm.const_data_ptr<float>(), h.data(), M, H, e);
-  mtpkit::thin_product(h.data(), wq.const_data_ptr<float>(), q.data(), M, QD, H, blocks[0]);
-  mtpkit::thin_product(h.data(), wk.const_data_ptr<float>(), k.data(), M, KD, H, blocks[1]);
-  mtpkit::thin_product(h.data(), wv.const_data_ptr<float>(), v.data(), M, KD, H, blocks[2]);
+  mtpkit::thin_product(h.data(), wq, q.data(), M, blocks[0]);
+  mtpkit::thin_product(h.data(), wk, k.data(), M, blocks[1]);
+  mtpkit::thin_product(h.data(), wv, v.data(), M, blocks[2]);
   add_bias(q.data(), data_or_null(bq), M, QD);
   add_bias(k.data(), data_or_null(bk), M, KD);
   add_bias(v.data(), data_or_null(bv), M, KD);
@@ -185,13 +188,13 @@ at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& input_norm, co
   });
 
   // output projection and residual, then the MLP block and its residual
-  mtpkit::thin_product(attn.data(), wo.const_data_ptr<float>(), h.data(), M, H, QD, blocks[3]);
+  mtpkit::thin_product(attn.data(), wo, h.data(), M, blocks[3]);
   for (int64_t i = 0; i < M * H; ++i) op[i] = xp[i] + h[i];
   rms_norm(op, post_norm.const_data_ptr<float>(), h.data(), M, H, e);
-  mtpkit::thin_product(h.data(), w_gate.const_data_ptr<float>(), gate.data(), M, I, H, blocks[4]);
-  mtpkit::thin_product(h.data(), w_up.const_data_ptr<float>(), up.data(), M, I, H, blocks[5]);
+  mtpkit::thin_product(h.data(), w_gate, gate.data(), M, blocks[4]);
+  mtpkit::thin_product(h.data(), w_up, up.data(), M, blocks[5]);
   for (int64_t i = 0; i < M * I; ++i) gate[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-  mtpkit::thin_product(gate.data(), w_down.const_data_ptr<float>(), h.data(), M, H, I, blocks[6]);
+  mtpkit::thin_product(gate.data(), w_down, h.data(), M, blocks[6]);
   for (int64_t i = 0; i < M * H; ++i) op[i] += h[i];
   return out;
 }

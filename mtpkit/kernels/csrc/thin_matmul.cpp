@@ -1,5 +1,5 @@
-// y[..., N] = x[..., K] @ w[N, K]^T in fp32 for 1 to 8 rows of x (decode and verify steps), AVX2 + FMA, `block`
-// weight rows per pass; the product itself is in thin_product.h.
+// y[..., N] = x[..., K] @ w[N, K]^T for 1 to 8 fp32 rows of x (decode and verify steps) and fp32 or bf16 weights
+// (fp32 arithmetic), AVX2 + FMA, `block` weight rows per pass; the product itself is in thin_product.h.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -13,19 +13,17 @@ namespace {
 
 at::Tensor thin_linear(const at::Tensor& x, const at::Tensor& w, int64_t block) {
   TORCH_CHECK(x.dim() >= 1 && w.dim() == 2 && x.size(-1) == w.size(1), "thin_linear: x [..., K] and w [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "thin_linear: fp32 only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+              "thin_linear: fp32 x and fp32 or bf16 weights only");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "thin_linear: CPU tensors only");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "thin_linear: contiguous tensors only");
-  const int64_t K = w.size(1), N = w.size(0), M = K ? x.numel() / K : 0;
+  const int64_t K = w.size(1), M = K ? x.numel() / K : 0;
   TORCH_CHECK(M >= 1 && M <= 8, "thin_linear: 1 to 8 rows, got ", M);
   TORCH_CHECK(mtpkit::valid_block(block), "thin_linear: block is 1, 2 or 4 weight rows per pass, got ", block);
   std::vector<int64_t> shape = x.sizes().vec();  // [..., K] -> [..., N]: the caller needs no reshape
-  shape.back() = N;
+  shape.back() = w.size(0);
   at::Tensor y = at::empty(shape, x.options());
-  const float* xp = x.const_data_ptr<float>();
-  const float* wp = w.const_data_ptr<float>();
-  float* yp = y.mutable_data_ptr<float>();
-  mtpkit::thin_product(xp, wp, yp, M, N, K, block);
+  mtpkit::thin_product(x.const_data_ptr<float>(), w, y.mutable_data_ptr<float>(), M, block);
   return y;
 }
 

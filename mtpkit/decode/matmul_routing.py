@@ -65,6 +65,11 @@ def thin_product(x: torch.Tensor, weight: torch.Tensor, how: tuple[str, int]) ->
     return y[:rows].contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
+def _version(weight: torch.Tensor) -> int | None:
+    """The tensor's in-place change counter (None for an inference-mode tensor, which has none)."""
+    return None if weight.is_inference() else weight._version
+
+
 def exact_bf16(weight: torch.Tensor) -> torch.Tensor | None:
     """A bf16 copy of fp32 `weight` where every value is exactly a bf16 (the low 16 bits of each fp32 are zero),
     else None."""
@@ -84,7 +89,7 @@ class MatmulRouter:
         self.force = force  # one candidate for every shape (benchmarks compare the router against each)
         self.choice: dict[tuple, tuple[str, int]] = {}
         self.timings: dict[tuple, dict[tuple[str, int], float]] = {}  # key -> candidate -> fastest ms
-        # decoder layer -> {(rows, threads, force): its fused op's (weights, blocks), or None where the modules run}
+        # decoder layer -> {(rows, threads, force): its fused op's arguments, or None where the modules run}
         self.fused: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self.streams = WeakIdKeyDictionary()  # weight -> (its version, its exact bf16 copy or None)
 
@@ -92,7 +97,7 @@ class MatmulRouter:
         """What the thin kernel reads for `weight`: its exact bf16 copy where it has one, else the weight; made once
         per weight and again after an in-place change (its version counter moved; an inference-mode tensor, such
         as a draft vocabulary's slice made per generate call, has none and keeps its first copy)."""
-        version = None if weight.is_inference() else weight._version
+        version = _version(weight)
         entry = self.streams.get(weight)
         if entry is None or entry[0] != version:
             entry = self.streams[weight] = (version, exact_bf16(weight))
@@ -134,12 +139,16 @@ class MatmulRouter:
                 if None in picks:
                     return None
                 thin = all(m in THIN for m, _ in picks)
-                known[key] = (weights, tuple(THIN[m] for m, _ in picks)) if thin else None
-        if known[key] is None:
+                # [module weights, blocks, their versions, what the op reads]: filled below
+                known[key] = [weights, tuple(THIN[m] for m, _ in picks), None, None] if thin else None
+        entry = known[key]
+        if entry is None:
             return None
-        weights, blocks = known[key]
-        streamed = weights._replace(**{n: self.stream(getattr(weights, n)) for n in weights.PRODUCTS})
-        return decode_layer.decode_layer(streamed, blocks, x, ctx.rope, ctx.mask, kv_cache, ctx.cache_positions)
+        versions = tuple(map(_version, entry[0].products()))  # ~1.5 us: a weight changed in place is read anew
+        if versions != entry[2]:
+            entry[2:] = versions, entry[0]._replace(**{n: self.stream(getattr(entry[0], n))
+                                                       for n in entry[0].PRODUCTS})
+        return decode_layer.decode_layer(entry[3], entry[1], x, ctx.rope, ctx.mask, kv_cache, ctx.cache_positions)
 
     @torch.inference_mode()
     def calibrate(self, rows: int, weight: torch.Tensor) -> None:

@@ -69,8 +69,8 @@ def available() -> bool:
 
 
 def thin_linear(x: torch.Tensor, weight: torch.Tensor, block: int) -> torch.Tensor:
-    """x [..., K] (at most 8 rows) @ weight [N, K]^T -> [..., N] in fp32 on CPU, `block` (one of BLOCKS) weight rows
-    per pass."""
+    """x [..., K] (at most 8 fp32 rows) @ weight [N, K]^T -> [..., N] in fp32 on CPU, for an fp32 or bf16 weight
+    (read as the fp32 values it holds), `block` (one of BLOCKS) weight rows per pass."""
     if not available():
         raise RuntimeError("the thin matmul kernel is not available on this machine (see the warning above)")
     return torch.ops.mtpkit_cpu.thin_linear(x.contiguous(), weight.contiguous(), block)

@@ -79,7 +79,8 @@ def layer_weights(layer) -> LayerWeights:
 
 
 def decode_layer(weights: LayerWeights, blocks: tuple[int, ...], x: torch.Tensor,
-                 rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, kv_cache, slots: torch.Tensor) -> torch.Tensor:
+                 rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, kv_cache,
+                 slots: torch.Tensor) -> torch.Tensor:
     """`layer(x, ctx, kv_cache)` for x [B, T, H] with B * T <= 8 rows, given `layer_weights(layer)`: rope = (cos,
     sin) [B, T, r], the additive mask [B, 1, T, S] over the first S cache slots, slots [B, T] where this step's
     K/V go; blocks: the thin kernel's weight rows per pass (thin_matmul.BLOCKS) for each of `weights.products()`."""

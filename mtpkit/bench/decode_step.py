@@ -37,7 +37,7 @@ from ..decode import blockwise
 from ..decode import speculative as spec
 from ..decode.cache import Cache
 from ..decode.generate import generate
-from ..decode.matmul_routing import THIN, MatmulRouter, candidates, router_for
+from ..decode.matmul_routing import MatmulRouter, candidates, router_for
 from ..decode.sampling import SamplingParams
 from ..decode.state import DecodeState
 from ..kernels.linear import routed_linears
@@ -93,7 +93,7 @@ def weight_bytes(model) -> int:
 
     def read(w):
         how = router.choice.get(router.key(1, w.dtype, w.shape))
-        return router.stream(w).nbytes if how is not None and how[0] in THIN else w.nbytes
+        return w.nbytes if how is None else router.operand(w, how).nbytes
 
     return sum(read(w) for w in {w.data_ptr(): w for w in router.weights()}.values())
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +80,18 @@ def exact_bf16(weight: torch.Tensor) -> torch.Tensor | None:
     return None if bool((w.view(torch.int32) & 0xFFFF).any()) else w.bfloat16()
 
 
+@dataclass
+class _FusedLayer:
+    """A layer's fused-op arguments: its module weights, each product's weights per pass, and what the op reads
+    (exact bf16 copies where there are some) as of the product weights' versions."""
+
+    weights: decode_layer.LayerWeights
+    blocks: tuple[int, ...]
+    products: tuple[torch.Tensor, ...]  # weights.products(), kept: their versions are read on every call
+    versions: tuple | None = None
+    reads: decode_layer.LayerWeights | None = None
+
+
 class MatmulRouter:
     """Callable as `router(x, weight, bias)`: the measured-fastest way for CPU products with at most MAX_ROWS
     rows, F.linear otherwise. `weights()` gives the model's weights in model order, for calibration passes."""
@@ -89,7 +102,7 @@ class MatmulRouter:
         self.force = force  # one candidate for every shape (benchmarks compare the router against each)
         self.choice: dict[tuple, tuple[str, int]] = {}
         self.timings: dict[tuple, dict[tuple[str, int], float]] = {}  # key -> candidate -> fastest ms
-        # decoder layer -> {(rows, threads, force): its fused op's arguments, or None where the modules run}
+        # decoder layer -> {(rows, threads, force): its _FusedLayer, or None where the modules run}
         self.fused: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self.streams = WeakIdKeyDictionary()  # weight -> (its version, its exact bf16 copy or None)
 
@@ -102,6 +115,10 @@ class MatmulRouter:
         if entry is None or entry[0] != version:
             entry = self.streams[weight] = (version, exact_bf16(weight))
         return weight if entry[1] is None else entry[1]
+
+    def operand(self, weight: torch.Tensor, how: tuple[str, int]) -> torch.Tensor:
+        """The tensor candidate `how` multiplies for `weight`: the thin kernel reads its `stream`."""
+        return self.stream(weight) if how[0] in THIN else weight
 
     @staticmethod
     def key(rows: int, dtype: torch.dtype, shape) -> tuple:
@@ -116,7 +133,7 @@ class MatmulRouter:
         if self.force is None and key not in self.choice:
             self.calibrate(rows, weight)
         how = self.force or self.choice[key]
-        y = thin_product(x, self.stream(weight) if how[0] in THIN else weight, how)
+        y = thin_product(x, self.operand(weight, how), how)
         return y if bias is None else y + bias
 
     def layer(self, layer, x: torch.Tensor, ctx, kv_cache) -> torch.Tensor | None:
@@ -139,16 +156,18 @@ class MatmulRouter:
                 if None in picks:
                     return None
                 thin = all(m in THIN for m, _ in picks)
-                # [module weights, blocks, their versions, what the op reads]: filled below
-                known[key] = [weights, tuple(THIN[m] for m, _ in picks), None, None] if thin else None
-        entry = known[key]
-        if entry is None:
+                known[key] = (_FusedLayer(weights, tuple(THIN[m] for m, _ in picks), weights.products())
+                              if thin else None)
+        fused = known[key]
+        if fused is None:
             return None
-        versions = tuple(map(_version, entry[0].products()))  # ~1.5 us: a weight changed in place is read anew
-        if versions != entry[2]:
-            entry[2:] = versions, entry[0]._replace(**{n: self.stream(getattr(entry[0], n))
-                                                       for n in entry[0].PRODUCTS})
-        return decode_layer.decode_layer(entry[3], entry[1], x, ctx.rope, ctx.mask, kv_cache, ctx.cache_positions)
+        versions = tuple(map(_version, fused.products))  # a few us: a weight changed in place is read anew
+        if versions != fused.versions:
+            fused.versions = versions
+            fused.reads = fused.weights._replace(**{n: self.stream(getattr(fused.weights, n))
+                                                    for n in fused.weights.PRODUCTS})
+        return decode_layer.decode_layer(fused.reads, fused.blocks, x, ctx.rope, ctx.mask, kv_cache,
+                                         ctx.cache_positions)
 
     @torch.inference_mode()
     def calibrate(self, rows: int, weight: torch.Tensor) -> None:
@@ -156,16 +175,16 @@ class MatmulRouter:
         is not one of them, e.g. a draft-vocabulary slice), after one untimed warm-up pass each."""
         ws = list({w.data_ptr(): w for w in [*self.weights(), weight]
                    if w.dtype == weight.dtype and w.device.type == "cpu"}.values())
-        streams = [self.stream(w) for w in ws]  # what the thin kernel reads
         xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(w.dtype) for w in ws}
         cands = candidates(rows, weight.dtype)
+        operands = {c: [self.operand(w, c) for w in ws] for c in cands}  # resolved outside the timed calls
         samples: dict[tuple, dict] = defaultdict(lambda: defaultdict(list))  # shape -> candidate -> [s]
         for rep in range(self.repeats + 1):
             for c in cands[rep % len(cands):] + cands[: rep % len(cands)]:  # rotate: no candidate always first
                 total: dict[tuple, float] = defaultdict(float)
-                for w, streamed in zip(ws, streams):
+                for w, operand in zip(ws, operands[c]):
                     t = time.perf_counter()
-                    thin_product(xs[w.shape[1]], streamed if c[0] in THIN else w, c)
+                    thin_product(xs[w.shape[1]], operand, c)
                     total[tuple(w.shape)] += time.perf_counter() - t
                 if rep:  # rep 0 warms up (oneDNN builds its kernels on first use)
                     for shape, s in total.items():

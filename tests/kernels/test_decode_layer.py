@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from drafting import assert_greedy_is_full_forward_argmax
+from recording import record_calls
 from tiny_models import hf_model, random_mtp_tensors, save_hf
 
 import mtpkit
@@ -119,17 +120,10 @@ def test_decoding_goes_through_it(model, one_thread):
     with torch.no_grad():
         model.output_weight.mul_(8.0)  # greedy choices far from rounding ties
     try:
-        calls = []
-        real = decode_layer.decode_layer
-
-        def counted(weights, blocks, x, *args):
-            calls.append(x.numel() // x.shape[-1])
-            return real(weights, blocks, x, *args)
-
         router = routing.router_for(model)
         prompts = [[1, 5, 9, 30, 2], [7, 3]]
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(decode_layer, "decode_layer", counted)
+            calls = record_calls(mp, decode_layer, "decode_layer")
             mp.setattr(router, "force", ("thin4", 1))  # every product through the thin kernel: every layer fused
             plain = mtpkit.generate(model, prompts, max_new_tokens=12)
             spec = mtpkit.generate(model, prompts, max_new_tokens=12, draft_tokens=3)
@@ -138,7 +132,7 @@ def test_decoding_goes_through_it(model, one_thread):
             n = len(calls)
             assert mtpkit.generate(model, prompts, max_new_tokens=12).tokens == plain.tokens
             assert len(calls) == n
-        assert {2, 8} <= set(calls)  # decode and verify steps of both rows
+        assert {2, 8} <= {args[2].numel() // args[2].shape[-1] for args in calls}  # decode and verify, both rows
         assert_greedy_is_full_forward_argmax(model, prompts, plain.tokens)
         assert spec.tokens == plain.tokens and tree.tokens == plain.tokens
     finally:
@@ -155,21 +149,15 @@ def test_exact_bf16_weights_are_streamed_and_follow_in_place_changes(tmp_path, o
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.bfloat16().float())  # a bf16 checkpoint run in fp32
-    seen = []
-    real = decode_layer.decode_layer
-
-    def counted(weights, blocks, x, *args):
-        seen.append({w.dtype for w in weights.products()})
-        return real(weights, blocks, x, *args)
-
     prompts = [[1, 5, 9, 30, 2], [7, 3]]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(decode_layer, "decode_layer", counted)
+        calls = record_calls(mp, decode_layer, "decode_layer")
         mp.setattr(routing.router_for(model), "force", ("thin4", 1))
         plain = mtpkit.generate(model, prompts, max_new_tokens=12)
         spec = mtpkit.generate(model, prompts, max_new_tokens=12, draft_tokens=2)
         subset = mtpkit.generate(model, prompts, max_new_tokens=12, draft_tokens=2, draft_vocab=torch.arange(64))
-        assert seen and all(dtypes == {torch.bfloat16} for dtypes in seen)  # every layer read its bf16 copies
+        # every layer read its bf16 copies
+        assert calls and all({w.dtype for w in weights.products()} == {torch.bfloat16} for weights, *_ in calls)
         assert_greedy_is_full_forward_argmax(model, prompts, plain.tokens)
         assert spec.tokens == plain.tokens and subset.tokens == plain.tokens
         with torch.no_grad():  # in place and still exact: the copies must follow, not serve the old values

@@ -21,10 +21,11 @@ def _pct(x) -> str:
 
 
 def label(run: dict) -> str:
-    """k=3, k=3 p=0.3 when drafting was gated, k=3 w=3,2 for a draft tree of those widths."""
-    p, widths = run.get("draft_min_prob") or 0, run.get("draft_widths")
+    """k=3, k=3 p=0.3 when drafting was gated, k=3 w=3,2 for a draft tree of those widths, k=3 lookup=4 with
+    context drafts of up to 4 tokens."""
+    p, widths, lookup = run.get("draft_min_prob") or 0, run.get("draft_widths"), run.get("draft_lookup")
     return (f"k={run['draft_tokens']}" + (f" p={p:g}" if p else "")
-            + (f" w={','.join(map(str, widths))}" if widths else ""))
+            + (f" w={','.join(map(str, widths))}" if widths else "") + (f" lookup={lookup}" if lookup else ""))
 
 
 def _baseline_lines(report: dict, best: dict) -> list[str]:
@@ -44,8 +45,9 @@ def _baseline_lines(report: dict, best: dict) -> list[str]:
 def _table(runs: list[dict], mark: dict) -> list[str]:
     gated = any(r.get("draft_min_prob") for r in runs)
     trees = any(r.get("draft_widths") for r in runs)
+    looked = any(r.get("draft_lookup") for r in runs)
     width = max(len(label(r)) for r in runs)
-    head = (f"  {'row':<{width}}" + (f" {'verified':>8}" if trees else "")
+    head = (f"  {'row':<{width}}" + (f" {'verified':>8}" if trees else "") + (f" {'looked up':>9}" if looked else "")
             + f" {'base t/s':>9} {'spec t/s':>9} {'speedup':>8} "
             f"{'accept':>7} {'mean len':>9} {'break-even':>11}" + (f" {'drafts/step':>12}" if gated else "")
             + "  per-position acceptance   output")
@@ -54,6 +56,7 @@ def _table(runs: list[dict], mark: dict) -> list[str]:
         pos = " ".join(f"{a:.2f}" for a in r["accepted_per_position"])
         be = "-" if r.get("break_even") is None else f"{r['break_even']:.2f}"
         lines.append(f"  {label(r):<{width}}" + (f" {r['verified_tokens_per_step']:>8.2f}" if trees else "")
+                     + (f" {r.get('context_drafted_share', 0):>9.0%}" if looked else "")
                      + f" {r['baseline_tokens_per_s']:>9.1f} {r['spec_tokens_per_s']:>9.1f} {r['speedup']:>7.2f}× "
                      f"{r['acceptance_rate']:>6.0%} {r['mean_acceptance_length']:>9.2f} {be:>11}"
                      + (f" {r['drafted_per_step']:>12.2f}" if gated else "") + f"  {pos:<24} "
@@ -170,13 +173,14 @@ def plot(report: dict, path) -> Path:
     runs = report["runs"]
     fig, (a, b) = _pyplot().subplots(1, 2, figsize=(10, 4))
     for r in runs:
-        a.plot(range(1, r["draft_tokens"] + 1), r["accepted_per_position"], marker="o", label=label(r))
+        a.plot(range(1, len(r["accepted_per_position"]) + 1), r["accepted_per_position"], marker="o", label=label(r))
     a.set(xlabel="draft position", ylabel="acceptance (per verification step)", ylim=(0, 1), title="Acceptance",
-          xticks=range(1, max(r["draft_tokens"] for r in runs) + 1))
+          xticks=range(1, max(len(r["accepted_per_position"]) for r in runs) + 1))
     a.legend()
     b.bar([label(r) for r in runs], [r["speedup"] for r in runs], color="tab:green")
     b.axhline(1.0, color="gray", lw=1)
-    b.set(xlabel="draft tokens k (p: draft_min_prob, w: draft tree widths)", ylabel="speedup over plain decoding",
+    b.set(xlabel="draft tokens k (p: draft_min_prob, w: draft tree widths, lookup: context drafts)",
+          ylabel="speedup over plain decoding",
           title="Speedup")
     b.tick_params(axis="x", labelrotation=30 if len(runs) > 4 else 0)
     fig.suptitle(f"{report['model']}, {report['num_tokens']} tokens, {report['dtype']}, {report['device']}")

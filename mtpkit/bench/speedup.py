@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from ..assets import is_default_model
 from ..decode.generate import generate
+from ..decode.lookup import DEFAULT_NGRAM
 from ..decode.tree import normalize_widths, verified_tokens
 from ..models.multimodal import image_inputs, open_images
 from ..tokenizer import encode_prompt
@@ -122,12 +123,13 @@ def _timed(fn):
     return out, time.perf_counter() - start
 
 
-def spec_configs(ks, min_probs, widths=((),)) -> list[tuple[int, float, tuple[int, ...]]]:
-    """(k, draft_min_prob, draft widths) of every speculative row: each k at each threshold and tree shape, k = 1
-    once per shape (a step always proposes its first draft, so gating cannot change k = 1), and each shape cut to
-    k (`tree.normalize_widths`: () is the chain)."""
-    return sorted({(k, float(p) if k > 1 else 0.0, normalize_widths(w, k)) for k in ks for p in min_probs
-                   for w in widths})
+def spec_configs(ks, min_probs, widths=((),), lookups=(0,)) -> list[tuple[int, float, tuple[int, ...], int]]:
+    """(k, draft_min_prob, draft widths, draft_lookup) of every speculative row: each k at each threshold, tree
+    shape and context-lookup length, k = 1 once per shape (a step always proposes its first draft, so gating cannot
+    change k = 1), each shape cut to k (`tree.normalize_widths`: () is the chain); k = 0 (no head) once per
+    lookup length > 0."""
+    return sorted({(k, float(p) if k > 1 else 0.0, normalize_widths(w, k), int(n)) for k in ks for p in min_probs
+                   for w in widths for n in lookups if k or n})
 
 
 def measure_step_costs(model, k: int, context: int, repeats: int, verified: int = 0) -> dict[int, dict]:
@@ -152,14 +154,16 @@ def break_even(costs: dict[int, dict], draft_lengths: list[float], widths: tuple
 
 
 def run_bench(model, prompts: list[Prompt], *, num_tokens: int, ks: list[int], min_probs=(0.0,), widths=((),),
-              temperature: float = 0.0, repeats: int = 3, seed: int = 0, eos_token_id=None, hf_model=None,
-              baselines=("hf",), prompt_lookup: int = 10, step_repeats: int = 5, progress: bool = True) -> dict:
+              lookups=(0,), lookup_ngram=DEFAULT_NGRAM, temperature: float = 0.0, repeats: int = 3, seed: int = 0,
+              eos_token_id=None, hf_model=None, baselines=("hf",), prompt_lookup: int = 10, step_repeats: int = 5,
+              progress: bool = True) -> dict:
     """Measure every prompt under plain decoding, speculative decoding for each (k, draft_min_prob, draft widths:
-    the chain (), or a draft tree's widths per position) and, with
+    the chain (), or a draft tree's widths per position; draft_lookup: context drafts of up to that many tokens,
+    0 = off, matching `lookup_ngram`) and, with
     hf_model, the transformers baselines ("hf": greedy generate(), "pld": with prompt_lookup_num_tokens =
     prompt_lookup). step_repeats > 0 also times the step costs behind each row's break-even acceptance length,
     at the prompts' median length + num_tokens / 2. Returns the per-prompt and per-row figures (see `summarise`)."""
-    specs = spec_configs(ks, min_probs, widths)
+    specs = spec_configs(ks, min_probs, widths, lookups)
     extra = list(baselines) if hf_model is not None else []
     configs = [0, *specs, *extra]
 
@@ -167,10 +171,11 @@ def run_bench(model, prompts: list[Prompt], *, num_tokens: int, ks: list[int], m
         if cfg in ("hf", "pld"):
             lookup = prompt_lookup if cfg == "pld" else 0
             return _timed(lambda: (hf_generate(hf_model, p.ids, num_tokens, eos_token_id, lookup), None))
-        k, min_prob, shape = cfg or (0, 0.0, ())
+        k, min_prob, shape, lookup = cfg or (0, 0.0, (), 0)
         res, sec = _timed(lambda: generate(model, [p.inputs or p.ids], max_new_tokens=num_tokens, draft_tokens=k,
-                                           draft_min_prob=min_prob, draft_widths=shape, temperature=temperature,
-                                           seed=seed, eos_token_id=eos_token_id))
+                                           draft_min_prob=min_prob, draft_widths=shape, draft_lookup=lookup,
+                                           draft_lookup_ngram=lookup_ngram, temperature=temperature, seed=seed,
+                                           eos_token_id=eos_token_id))
         return (res.tokens[0], res.stats), sec
 
     for cfg in configs:  # warm-up: first-call allocations and lazy initialisation stay out of the timings
@@ -190,7 +195,7 @@ def run_bench(model, prompts: list[Prompt], *, num_tokens: int, ks: list[int], m
     costs = None
     if step_repeats:
         context = int(statistics.median(len(p.ids) for p in prompts)) + num_tokens // 2
-        most = max(verified_tokens(w, k) for k, _, w in specs)
+        most = max(verified_tokens(w, max(k, n)) for k, _, w, n in specs)
         costs = measure_step_costs(model, max(ks), context, step_repeats, most)
     greedy = temperature == 0
     gaps = first_differences(model, prompts, outputs, [*specs, *extra]) if greedy else {}
@@ -231,13 +236,14 @@ def summarise(prompts, specs, outputs, median, *, baselines=(), greedy: bool, co
     base_tps = _rate(sum(base_tokens), sum(median[0, i] for i in range(n)))
     runs = []
     for cfg in specs:
-        k, min_prob, widths = cfg
+        k, min_prob, widths, lookup = cfg
+        most = max(k, lookup)  # drafts a step proposes at most
         stats = [outputs[cfg, i][1] for i in range(n)]
         steps = sum(s["verification_steps"] for s in stats)
         accepted = sum(s["accepted"] for s in stats)
         drafted = sum(s["drafted"] for s in stats)
-        per_pos = [sum(s["accepted_per_position"][j] for s in stats) / max(steps, 1) for j in range(k)]
-        lengths = [sum(s["draft_lengths"][j] for s in stats) / max(steps, 1) for j in range(k)]
+        per_pos = [sum(s["accepted_per_position"][j] for s in stats) / max(steps, 1) for j in range(most)]
+        lengths = [sum(s["draft_lengths"][j] for s in stats) / max(steps, 1) for j in range(most)]
         spec_tokens = [len(outputs[cfg, i][0]) for i in range(n)]
         spec_tps = _rate(sum(spec_tokens), sum(median[cfg, i] for i in range(n)))
         per_prompt = []
@@ -257,6 +263,8 @@ def summarise(prompts, specs, outputs, median, *, baselines=(), greedy: bool, co
             "draft_tokens": k,
             "draft_min_prob": min_prob,
             "draft_widths": list(widths),
+            "draft_lookup": lookup,
+            "context_drafted_share": sum(s["context_drafted_steps"] for s in stats) / max(steps, 1),
             "verified_tokens_per_step": sum((s["verified_tokens_per_step"] or 0) * s["verification_steps"]
                                             for s in stats) / max(steps, 1),
             "accepted_alternatives": sum(s["accepted_alternatives"] for s in stats),
@@ -269,7 +277,8 @@ def summarise(prompts, specs, outputs, median, *, baselines=(), greedy: bool, co
             "accepted_per_position": per_pos,
             "drafted_per_step": drafted / steps if steps else 0.0,
             "draft_lengths": lengths,  # share of steps that proposed j = 1..k drafts (the stop distribution)
-            "break_even": break_even(costs, lengths, widths) if costs and steps else None,
+            # a step's drafting cost depends on where its drafts came from, which the stop distribution does not say
+            "break_even": break_even(costs, lengths, widths) if costs and steps and not lookup else None,
             "identical": all(pp["identical"] for pp in per_prompt) if greedy else None,
             "identical_prompts": sum(bool(pp["identical"]) for pp in per_prompt),
             "per_prompt": per_prompt,

@@ -18,7 +18,8 @@ def add_parser(sub) -> None:
                                      "default: 20 prompts of several kinds shipped with mtpkit")
     p.add_argument("--limit", type=int, default=0, help="use only the first N prompts of the file (0: all)")
     p.add_argument("--num-tokens", type=int, default=128, help="new tokens per prompt")
-    p.add_argument("--draft-tokens", default="1,2,3", help="comma-separated k values")
+    p.add_argument("--draft-tokens", default="1,2,3", help="comma-separated k values (0: no head, context drafts "
+                                                           "only; needs --draft-lookup)")
     p.add_argument("--draft-min-prob", default="0",
                    help="comma-separated thresholds p for confidence-gated drafting (a row stops drafting after a "
                         "draft the head gives probability < p; 0: off); one row per k and p")
@@ -26,6 +27,12 @@ def add_parser(sub) -> None:
                    help="draft trees to measure besides the chain, one per value: tokens per draft position (e.g. "
                         "3 or 3,2: the head's top 3 at position 1, top 2 at 2, the draft alone after); each k runs "
                         "with each; attention-only trunks (docs/MTP.md section 4)")
+    p.add_argument("--draft-lookup", default="0", metavar="L[,L...]",
+                   help="comma-separated lengths of drafts looked up in the context (prompt-lookup decoding, in "
+                        "place of the MTP's chain where a row's last 2-4 tokens occurred before; 0: off); each k "
+                        "runs with each (docs/MTP.md section 4)")
+    p.add_argument("--draft-lookup-ngram", default="2,4", metavar="MIN,MAX",
+                   help="lengths of the context's last tokens to match for --draft-lookup, longest first")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and configuration (median)")
     p.add_argument("--baseline", help="comma-separated rows from transformers on the same model: hf (greedy "
@@ -66,13 +73,18 @@ def run(args) -> int:
     from ..checkpoint.hf import load_model
     from ..checkpoint.mtp_head import load_mtp_head
     from ..decode.int8 import model_dtype, quantize_int8
+    from ..decode.lookup import check_ngram
     from ..decode.tree import normalize_widths
     from ..models.multimodal import load_processor
     from ..tokenizer import load_tokenizer
 
     ks = sorted(set(numbers(args.draft_tokens, int, "--draft-tokens")))
-    if not ks or ks[0] < 1:
-        raise ValueError(f"--draft-tokens needs k values >= 1, got {args.draft_tokens!r}")
+    lookups = sorted(set(numbers(args.draft_lookup, int, "--draft-lookup"))) or [0]
+    if lookups[0] < 0:
+        raise ValueError(f"--draft-lookup needs lengths >= 0 (0: off), got {args.draft_lookup!r}")
+    if not ks or ks[0] < 0 or (ks[0] == 0 and lookups[-1] == 0) or ks[-1] == 0:
+        raise ValueError(f"--draft-tokens needs k values >= 1 (0 too with --draft-lookup L > 0), "
+                         f"got {args.draft_tokens!r}")
     min_probs = sorted(set(numbers(args.draft_min_prob, float, "--draft-min-prob"))) or [0.0]
     if not all(0 <= p <= 1 for p in min_probs):
         raise ValueError(f"--draft-min-prob values must be in [0, 1], got {args.draft_min_prob!r}")
@@ -107,7 +119,9 @@ def run(args) -> int:
         quantize_int8(model)
     tokenizer = load_tokenizer(path)
     hf = load_hf_baseline(path, dtype) if baselines else None
-    bench = dict(num_tokens=args.num_tokens, ks=ks, min_probs=min_probs, widths=widths, temperature=args.temperature,
+    ngram = check_ngram(numbers(args.draft_lookup_ngram, int, "--draft-lookup-ngram"))
+    bench = dict(num_tokens=args.num_tokens, ks=ks, min_probs=min_probs, widths=widths, lookups=lookups,
+                 lookup_ngram=ngram, temperature=args.temperature,
                  repeats=args.repeats, eos_token_id=tokenizer.eos_token_id, hf_model=hf, baselines=baselines,
                  prompt_lookup=args.prompt_lookup_tokens, step_repeats=args.step_repeats)
     if lengths:

@@ -26,6 +26,11 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-widths", default="", metavar="W[,W...]",
                    help="verify a draft tree: tokens per draft position, e.g. 3,2 (the head's top 3 at position 1, "
                         "top 2 at 2); attention-only trunks")
+    p.add_argument("--draft-lookup", type=int, default=0, metavar="L",
+                   help="draft up to L tokens looked up in the context where its last tokens occurred before, in "
+                        "place of the MTP's chain (prompt-lookup decoding; with --draft-tokens 0 no head is needed)")
+    p.add_argument("--draft-lookup-ngram", default="2,4", metavar="MIN,MAX",
+                   help="lengths of the context's last tokens to match for --draft-lookup, longest first")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -66,9 +71,11 @@ class TextStream:
 
 def stats_line(stats: dict, k: int, gated: bool = False) -> str:
     line = f"{stats['new_tokens']} tokens in {stats['seconds']:.2f} s, {stats['tokens_per_second']:.1f} tokens/s"
-    if k and stats["acceptance_rate"] is not None:
+    if stats["acceptance_rate"] is not None:
         line += (f", k={k}: acceptance rate {stats['acceptance_rate']:.1%}, mean acceptance length "
                  f"{stats['mean_acceptance_length']:.2f}")
+        if stats["context_drafted_steps"]:
+            line += f", {stats['context_drafted_steps']} of {stats['verification_steps']} steps drafted from context"
         if gated:
             line += f", {stats['drafted_per_step']:.2f} drafts per step"
         if stats["accepted_alternatives"]:
@@ -106,7 +113,9 @@ def run(args) -> int:
     result = generate(
         model, [prompt], max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens,
         draft_min_prob=args.draft_min_prob, draft_vocab="full" if args.full_vocab else None,
-        draft_widths=numbers(args.draft_widths, int, "--draft-widths"), temperature=args.temperature,
+        draft_widths=numbers(args.draft_widths, int, "--draft-widths"), draft_lookup=args.draft_lookup,
+        draft_lookup_ngram=tuple(numbers(args.draft_lookup_ngram, int, "--draft-lookup-ngram")),
+        temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_id=tokenizer.eos_token_id, on_tokens=stream,
     )
     stream.close()

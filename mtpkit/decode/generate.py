@@ -24,6 +24,7 @@ from . import blockwise
 from . import speculative as spec
 from . import tree
 from .cache import Cache
+from .lookup import DEFAULT_NGRAM, ContextLookup
 from ..kernels.linear import routed_linears
 from .matmul_routing import router_for
 from .sampling import SamplingParams, select
@@ -40,7 +41,9 @@ class GenerateResult:
     drafted_per_step = drafted / verification_steps, draft_lengths [k] = verification steps that proposed j
     drafts (the stop distribution), seconds (prefill included), tokens_per_second; with draft trees also
     verified_tokens_per_step (what a row puts in a verify forward: its last token, drafts and, in a draft tree,
-    their alternatives) and accepted_alternatives (steps whose last accepted token was a tree's alternative)."""
+    their alternatives) and accepted_alternatives (steps whose last accepted token was a tree's alternative);
+    with draft_lookup, context_drafted_steps (verification steps whose chain was looked up in the context; a row
+    of a model without a head that found nothing to look up decodes that step plainly, not counted as one)."""
 
     tokens: list[list[int]]  # per row: the new token ids, ending with EOS when one was produced
     stats: dict
@@ -75,28 +78,34 @@ def _prompt_rows(prompts, vocab_size: int) -> tuple[list[list[int]], list[dict]]
 class _Bookkeeper:
     """Host side: each row's emitted tokens, its stop conditions and the vLLM-style acceptance counters."""
 
-    def __init__(self, batch: int, k: int, max_new: int, eos: set[int], on_tokens, widths: tuple[int, ...] = ()):
+    def __init__(self, batch: int, k: int, max_new: int, eos: set[int], on_tokens, widths: tuple[int, ...] = (),
+                 lookup: ContextLookup | None = None):
         self.tokens = [[] for _ in range(batch)]
         self.accept_lengths = [[] for _ in range(batch)]
         self.live = list(range(batch))  # original row index of each batch row still decoding
         self.k, self.max_new, self.eos, self.on_tokens, self.widths = k, max_new, eos, on_tokens, widths
+        self.lookup = lookup
         self.forward_passes = self.steps = self.accepted = self.drafted = 0
         self.verified = self.alternatives = 0  # tokens rows put into verify forwards; draft-tree leaves kept
-        self.accepted_per_position = [0] * k
-        self.draft_lengths = [0] * k
+        self.looked_up = 0  # verification steps whose drafts came from the context
+        self.most = max(k, lookup.tokens if lookup else 0)  # drafts a step proposes at most
+        self.accepted_per_position = [0] * self.most
+        self.draft_lengths = [0] * self.most
 
-    def emit(self, chunks: list[list[int]], verified: list[tuple[int, int, int]] | None = None) -> list[int]:
+    def emit(self, chunks: list[list[int]], verified: list[tuple[int, int, int, bool]] | None = None) -> list[int]:
         """Append each live row's chunk (cut after EOS or at max_new_tokens); return the batch rows still live.
-        verified: per row, (accepted, drafted, 1 if the last accepted token was a tree's leaf) of its verification
-        step when speculating."""
+        verified: per row, (accepted, drafted, 1 if the last accepted token was a tree's leaf, whether its drafts
+        were looked up in the context) of its verification step when speculating."""
         keep = []
         for b, (row, chunk) in enumerate(zip(self.live, chunks)):
-            if verified is not None:  # one verification step of this row
-                accepted, drafted, leaf = verified[b]
+            spoke = verified is not None and verified[b][1] > 0  # a verification step of this row
+            if spoke:
+                accepted, drafted, leaf, looked_up = verified[b]
                 self.steps += 1
                 self.accepted += accepted
                 self.drafted += drafted
                 self.alternatives += leaf
+                self.looked_up += looked_up
                 self.verified += tree.verified_tokens(self.widths, drafted)
                 self.draft_lengths[drafted - 1] += 1
                 for j in range(accepted):
@@ -106,9 +115,11 @@ class _Bookkeeper:
             stop = next((i for i, t in enumerate(chunk) if t in self.eos), None)
             if stop is not None:
                 chunk = chunk[: stop + 1]
-            if verified is not None:
+            if spoke:
                 self.accept_lengths[row].append(len(chunk))
             out.extend(chunk)
+            if self.lookup is not None:
+                self.lookup.extend(row, chunk)
             if self.on_tokens is not None:
                 self.on_tokens(row, chunk)
             if stop is None and len(out) < self.max_new:
@@ -132,6 +143,7 @@ class _Bookkeeper:
             "draft_lengths": list(self.draft_lengths),
             "accepted_alternatives": self.alternatives,
             "verified_tokens_per_step": self.verified / self.steps if self.steps else None,
+            "context_drafted_steps": self.looked_up,
             "seconds": seconds,
             "tokens_per_second": new / seconds if seconds > 0 else 0.0,
         }
@@ -187,6 +199,8 @@ def generate(
     draft_vocab: torch.Tensor | str | None = None,
     draft_min_prob: float = 0.0,
     draft_widths: Sequence[int] = (),
+    draft_lookup: int = 0,
+    draft_lookup_ngram: tuple[int, int] = DEFAULT_NGRAM,
     on_tokens: Callable[[int, list[int]], None] | None = None,
 ) -> GenerateResult:
     """Decode up to max_new_tokens new tokens per prompt (rows of token ids, or for a vision-language model
@@ -201,6 +215,9 @@ def generate(
     `draft_widths` = (w_1, w_2, ...) verifies a draft tree (`decode/tree.py`): at draft position d the head's
     w_d - 1 next most likely tokens besides the chain's draft (positions past the list: the draft only); the
     trunk must have attention layers only. Output is unchanged; each step verifies 1 + k + sum(w_d - 1) tokens.
+    `draft_lookup` = L > 0 drafts up to L tokens from the context where a row's last n tokens (n in
+    `draft_lookup_ngram` = (min, max)) occurred before, in place of the MTP's chain (prompt-lookup decoding,
+    `decode/lookup.py`); the head's tree alternatives stay. With draft_tokens = 0 it needs no head.
     `on_tokens(row, ids)` is called with every row's new tokens as they are produced (for streaming)."""
     params = SamplingParams(temperature, top_k, top_p)
     cfg = model.config
@@ -242,11 +259,19 @@ def generate(
     elif draft_vocab is None and model.drafter is not None:
         draft_vocab = model.drafter.draft_vocab
     head = spec.DraftHead(model, params, draft_vocab, draft_min_prob) if k else None
+    lookup = None
+    if not isinstance(draft_lookup, int) or draft_lookup < 0:
+        raise ValueError(f"draft_lookup must be an integer >= 0 (0: off), not {draft_lookup!r}")
+    if draft_lookup:
+        if k and model.mtp_heads is not None:
+            raise ValueError("draft_lookup replaces the sequential MTP's chain; parallel heads draft one block: "
+                             "leave draft_lookup out or draft_tokens = 0")
+        lookup = ContextLookup(rows, draft_lookup, draft_lookup_ngram)
     if widths and max(widths) > (len(head.vocab) if head.vocab is not None else cfg.vocab_size):
         raise ValueError(f"draft_widths {list(widths)} asks for more tokens per position than the draft vocabulary "
                          "holds")
 
-    book = _Bookkeeper(len(rows), k, max_new_tokens, eos, on_tokens, widths)
+    book = _Bookkeeper(len(rows), k, max_new_tokens, eos, on_tokens, widths, lookup)
     with routed_linears(router_for(model)):
         return _decode(model, rows, vision, book, params, generator, head)
 
@@ -264,25 +289,32 @@ def _plain_step(model, state: DecodeState, params: SamplingParams, generator) ->
 def _decode(model, rows, vision, book: _Bookkeeper, params, generator, head) -> GenerateResult:
     start = time.perf_counter()
     k, widths, weight = book.k, book.widths, model.output_weight
-    most = tree.verified_tokens(widths, k)  # tokens a verify forward writes at most
+    most = tree.verified_tokens(widths, book.most)  # tokens a verify forward writes at most
     cache = Cache(model.config, len(rows), max(map(len, rows)) + book.max_new + most, weight.dtype, weight.device)
     state = _prefill(model, cache, rows, vision, params, generator, k)
     keep = book.emit([[t] for t in state.last.tolist()])
     while keep:
         if len(keep) < state.batch:  # some rows stopped: drop them from the batch
             state = state.select(keep)
-        if k == 0:
+        found = book.lookup.drafts(book.live, state.slot.device) if book.lookup is not None else None
+        context = None if found is None else spec.ContextDrafts(found[0], found[1], all(found[2]))
+        matched = found[2] if found is not None else [False] * state.batch
+        if k == 0 and context is None:
             result = _plain_step(model, state, params, generator)
         elif widths:
-            result = tree.step(model, state, k=k, widths=widths, head=head, params=params, generator=generator)
+            result = tree.step(model, state, k=k, widths=widths, head=head, params=params, generator=generator,
+                               context=context)
+        elif model.mtp_heads is not None and k:
+            result = blockwise.step(model, state, k=k, head=head, params=params, generator=generator)
         else:
-            step = blockwise.step if model.mtp_heads is not None else spec.step
-            result = step(model, state, k=k, head=head, params=params, generator=generator)
+            result = spec.step(model, state, k=k, head=head, params=params, generator=generator, context=context)
         book.forward_passes += 1
         # the one device read of the step
         flags = result.alternative if result.alternative is not None else torch.zeros_like(result.accepted)
         host = torch.cat([result.accepted[:, None], result.drafted[:, None], flags[:, None].long(), result.tokens],
                          dim=1).tolist()
-        keep = book.emit([h[3 : h[0] + 4] for h in host], [tuple(h[:3]) for h in host] if k else None)
+        speculated = k or context is not None
+        keep = book.emit([h[3 : h[0] + 4] for h in host],
+                         [(*h[:3], m) for h, m in zip(host, matched)] if speculated else None)
         state = state.advanced(result, [h[0] for h in host])
     return GenerateResult(book.tokens, book.stats(time.perf_counter() - start), book.accept_lengths)

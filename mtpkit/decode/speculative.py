@@ -103,16 +103,29 @@ class Drafts(NamedTuple):
     tokens: torch.Tensor  # [B, K] (K = max(count) <= k)
     q: torch.Tensor | None  # [B, K, V] the draft distributions over the full vocabulary; None when greedy
     count: torch.Tensor  # [B] drafts each row proposed: its first count[b] (the rest of a gated batch's are padding)
-    # [B, sum(w_d - 1) over d <= K]: the alternatives of a draft tree, depth 1's first; None for a chain
+    # [B, sum(w_d - 1) over d <= len(widths)]: the alternatives of a draft tree, depth 1's first; None for a chain
     alternatives: torch.Tensor | None = None
+    widths: tuple[int, ...] = ()  # the draft tree's tokens per position that `alternatives` hold (() for a chain)
 
 
-def draft(model, state: DecodeState, *, k: int, head: DraftHead, generator, widths: tuple[int, ...] = ()) -> Drafts:
+class ContextDrafts(NamedTuple):
+    """Drafts looked up in each row's context (`decode/lookup.py`) for one step."""
+
+    tokens: torch.Tensor  # [B, L] padded past count
+    count: torch.Tensor  # [B] drafts found (0: no match, the row drafts with the MTP)
+    every_row: bool  # every row matched: MTP depths past the tree's are not needed
+
+
+def draft(model, state: DecodeState, *, k: int, head: DraftHead, generator, widths: tuple[int, ...] = (),
+          context: ContextDrafts | None = None) -> Drafts:
     """Up to k draft tokens per row, chaining the MTP from `state.draft_hidden` [B, H], its depth-1 output at
     slot - 1 (which predicts the token after `state.last`). With gating a row stops after its first draft that is
     not confident; once every row has stopped the remaining draft steps are skipped (one device read per step).
     Without gating count = K = k. `widths[d - 1]` = w > 1 also returns the head's w - 1 next most likely tokens at
-    depth d as `alternatives` (a draft tree, `decode/tree.py`); the chain follows the first draft only."""
+    depth d as `alternatives` (a draft tree, `decode/tree.py`); the chain follows the first draft only.
+    `context`: rows that found their context's drafts take those as the chain instead (see `with_context`)."""
+    if context is not None and context.every_row and not widths:  # nothing of the head's would be verified
+        return context_only(context, head.params, head.vocab_size)
     hidden = state.draft_hidden
     tokens, qs, others = [], [], []
     going = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)  # row drafts at this depth
@@ -120,6 +133,8 @@ def draft(model, state: DecodeState, *, k: int, head: DraftHead, generator, widt
     for depth in range(1, k + 1):
         if depth > 1:
             if head.min_prob and not bool(going.any()):
+                break
+            if context is not None and context.every_row and depth > len(widths):
                 break
             # chain: the previous draft and the MTP's own post-norm output, one position further
             slots = state.slots(1, offset=depth - 2)
@@ -133,8 +148,45 @@ def draft(model, state: DecodeState, *, k: int, head: DraftHead, generator, widt
         count += going
         if sure is not None:
             going &= sure
-    return Drafts(torch.stack(tokens, 1), None if qs[0] is None else torch.stack(qs, 1), count,
-                  torch.cat(others, 1) if others else None)
+    drafts = Drafts(torch.stack(tokens, 1), None if qs[0] is None else torch.stack(qs, 1), count,
+                    torch.cat(others, 1) if others else None, widths[: len(others)])
+    return drafts if context is None else with_context(drafts, context, head.vocab_size)
+
+
+def point_masses(tokens: torch.Tensor, vocab_size: int, dtype) -> torch.Tensor:
+    """[B, L] ids -> [B, L, V]: the draft distribution of a draft that was looked up, not drawn."""
+    return F.one_hot(tokens, vocab_size).to(dtype)
+
+
+def with_context(drafts: Drafts, context: ContextDrafts, vocab_size: int) -> Drafts:
+    """The MTP's drafts with each matched row's chain replaced by its context drafts. A draft tree keeps the head's
+    top w_d tokens at depth d as the alternatives there, less the context's draft at that depth (so a matched row
+    verifies the head's first choice too)."""
+    matched = context.count > 0  # [B]
+    K = max(drafts.tokens.shape[1], context.tokens.shape[1])
+    chain = F.pad(context.tokens, (0, K - context.tokens.shape[1]))  # [B, K], padding never accepted
+    tokens = torch.where(matched[:, None], chain, F.pad(drafts.tokens, (0, K - drafts.tokens.shape[1])))
+    count = torch.where(matched, context.count, drafts.count)
+    q = drafts.q
+    if q is not None:
+        q = torch.where(matched[:, None, None], point_masses(chain, vocab_size, q.dtype),
+                        F.pad(q, (0, 0, 0, K - q.shape[1])))
+    alternatives, start = [], 0
+    for d, w in enumerate(drafts.widths):
+        mine = drafts.alternatives[:, start : start + w - 1]
+        start += w - 1
+        # the head's top w at depth d without the context's draft there (or without its w-th when absent)
+        top = torch.cat([drafts.tokens[:, d : d + 1], mine], 1)  # [B, w]
+        order = (top == chain[:, d : d + 1]).long().argsort(dim=1, stable=True)
+        alternatives.append(torch.where(matched[:, None], top.gather(1, order)[:, : w - 1], mine))
+    return Drafts(tokens, q, count, torch.cat(alternatives, 1) if alternatives else None, drafts.widths)
+
+
+def context_only(context: ContextDrafts, params: SamplingParams, vocab_size: int) -> Drafts:
+    """The context's drafts alone, rows without a match proposing none: for a model without a head, or when every
+    row matched and no draft tree would verify the head's tokens."""
+    q = None if params.greedy else point_masses(context.tokens, vocab_size, torch.float32)
+    return Drafts(context.tokens, q, context.count)
 
 
 def proposed(count: torch.Tensor, K: int) -> torch.Tensor:
@@ -205,11 +257,18 @@ def verify(model, state: DecodeState, drafts: Drafts, *, params: SamplingParams,
     return accepted, tokens, out.hidden
 
 
-def step(model, state: DecodeState, *, k: int, head: DraftHead, params: SamplingParams, generator) -> StepResult:
-    """One speculative step for every row: draft up to k tokens by chaining the MTP, `verify` them, and run the
-    MTP over the verified rows; the row of the last token kept drafts next."""
-    drafts = draft(model, state, k=k, head=head, generator=generator)
+def step(model, state: DecodeState, *, k: int, head: DraftHead | None, params: SamplingParams, generator,
+         context: ContextDrafts | None = None) -> StepResult:
+    """One speculative step for every row: draft up to k tokens by chaining the MTP (or take the context's
+    drafts: `context`; k = 0 without a head), `verify` them, and run the MTP over the verified rows; the row of
+    the last token kept drafts next."""
+    if k:
+        drafts = draft(model, state, k=k, head=head, generator=generator, context=context)
+    else:
+        drafts = context_only(context, params, model.config.vocab_size)
     accepted, tokens, hidden = verify(model, state, drafts, params=params, generator=generator)
+    if not k:
+        return StepResult(accepted, drafts.count, tokens, None)
     # MTP row j: trunk hidden at slot+j and the token emitted after it
     mtp_out = mtp_extend(model, state, hidden, tokens)
     rows = torch.arange(state.batch, device=accepted.device)

@@ -83,14 +83,15 @@ def verified_tokens(widths: tuple[int, ...], drafts: int) -> int:
 
 
 def step(model, state: DecodeState, *, k: int, widths: tuple[int, ...], head: spec.DraftHead,
-         params: SamplingParams, generator) -> StepResult:
-    """One tree step for every row: draft the chain and its alternatives, verify the tree in one trunk forward,
-    accept (the chain as `speculative.verify` does, then an alternative equal to the token emitted at the first
-    rejection), move the accepted alternative's K/V into line and run the MTP over the accepted path."""
-    drafts = spec.draft(model, state, k=k, head=head, generator=generator, widths=widths)
+         params: SamplingParams, generator, context: spec.ContextDrafts | None = None) -> StepResult:
+    """One tree step for every row: draft the chain and its alternatives (the chain from the context where a row
+    found one: `context`), verify the tree in one trunk forward, accept (the chain as `speculative.verify` does,
+    then an alternative equal to the token emitted at the first rejection), move the accepted alternative's K/V
+    into line and run the MTP over the accepted path."""
+    drafts = spec.draft(model, state, k=k, head=head, generator=generator, widths=widths, context=context)
     K = drafts.tokens.shape[1]
     device = drafts.tokens.device
-    tree = layout(tuple(widths[:K]) + (1,) * max(0, K - len(widths)), device)
+    tree = layout(drafts.widths + (1,) * (K - len(drafts.widths)), device)
     alternatives = drafts.tokens[:, :0] if drafts.alternatives is None else drafts.alternatives
     ids = torch.cat([state.last[:, None], drafts.tokens, alternatives], 1)  # [B, T] in layout order
     slots = state.slots(tree.size)

@@ -216,7 +216,33 @@ def test_bench_cli_draft_trees(llama_dir, tmp_path, capsys):
     assert "k=2 w=3,2" in capsys.readouterr().out
 
 
+def test_bench_cli_context_drafts(llama_dir, tmp_path, capsys):
+    """--draft-lookup runs each k with and without context drafts, and k = 0 (no head) once per length; a row's
+    per-position acceptance runs to its longest draft; break-even is left out where drafts were looked up (their
+    drafting cost is not the head's)."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("t5 t9 t3 t7 t158 t172 t250 t241 t102 t209 t255 t5 t9 t3 t7\n")  # the model's own output inside
+    rc = main(["bench", "--model", str(llama_dir), "--prompts", str(prompts), "--num-tokens", "24", "--draft-tokens",
+               "0,1", "--draft-widths", "3", "--draft-lookup", "0,3", "--draft-lookup-ngram", "1,2", "--repeats", "1",
+               "--step-repeats", "1", "--json", str(tmp_path / "r.json")])
+    assert rc == 0
+    runs = json.loads((tmp_path / "r.json").read_text())["runs"]
+    assert [(r["draft_tokens"], r["draft_widths"], r["draft_lookup"]) for r in runs] == [
+        (0, [], 3), (1, [], 0), (1, [], 3), (1, [3], 0), (1, [3], 3)]
+    assert all(r["identical"] for r in runs)
+    for r in runs:
+        assert len(r["accepted_per_position"]) == max(r["draft_tokens"], r["draft_lookup"])
+        assert r["mean_acceptance_length"] == pytest.approx(1 + sum(r["accepted_per_position"]))
+        assert (r["break_even"] is None) == (r["draft_lookup"] > 0)
+        assert (r["context_drafted_share"] > 0) == (r["draft_lookup"] > 0)
+    out = capsys.readouterr().out
+    assert "k=1 w=3 lookup=3" in out and "looked up" in out
+
+
 @pytest.mark.parametrize("args, message", [
+    (["--draft-tokens", "0"], "0 too with --draft-lookup"),
+    (["--draft-lookup", "-1"], "--draft-lookup needs lengths >= 0"),
+    (["--draft-lookup", "2", "--draft-lookup-ngram", "3,1"], "1 <= min <= max"),
     (["--draft-min-prob", "1.5"], r"--draft-min-prob values must be in \[0, 1\]"),
     (["--draft-widths", "2,0"], "draft widths must be >= 1"),
     (["--baseline", "vllm"], "--baseline takes hf and/or pld"),

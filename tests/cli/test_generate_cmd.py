@@ -72,8 +72,20 @@ def test_speculation_with_a_head_file_prints_the_same_text(model_dir, head_file,
     assert re.search(r"k=2: acceptance rate [\d.]+%, mean acceptance length [\d.]+$", stats)
 
 
+def test_context_drafts_without_a_head_print_the_same_text(model_dir, capsys):
+    prompt = [5, 9, 3, 7, 158, 172, 250, 241, 102, 209, 255, 5, 9, 3, 7]  # holds what the model goes on to write
+    code, out, err = run_cli(capsys, "--model", model_dir, "--prompt", " ".join(f"t{i}" for i in prompt),
+                             "--max-new-tokens", 24, "--draft-lookup", 3, "--draft-lookup-ngram", "1,2")
+    assert code == 0, err
+    text, stats = out.rstrip("\n").split("\n")
+    assert text == expected_text(model_dir, prompt, 24)
+    assert re.search(r"k=0: acceptance rate [\d.]+%, mean acceptance length [\d.]+, \d+ of \d+ steps drafted from "
+                     r"context$", stats)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--draft-tokens", 2], "has no MTP head: load one with --mtp or train one"),
+    (["--draft-lookup", 2, "--draft-lookup-ngram", "0,2"], "1 <= min <= max"),
     (["--temperature", -1], "temperature must be >= 0"),
     (["--mtp", "/nonexistent/head.safetensors"], "does not exist"),
 ])

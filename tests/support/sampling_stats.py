@@ -36,13 +36,11 @@ def exact_joint(model, prompt, params, n_tokens):
     return joint
 
 
-def empirical_counts(model, params, prompt, k, seed, rows=12_000, draft_vocab=None, draft_min_prob=0.0,
-                     draft_widths=()):
+def empirical_counts(model, params, prompt, k, seed, rows=12_000, **options):
     """Counts [V^3] of the first 3 new tokens over `rows` independent samples (one batch of the same prompt), and
-    the run's stats."""
+    the run's stats; `options` go to `mtpkit.generate` (draft_vocab, draft_widths, ...)."""
     r = mtpkit.generate(model, torch.tensor([prompt] * rows), max_new_tokens=3, draft_tokens=k,
-                        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed,
-                        draft_vocab=draft_vocab, draft_min_prob=draft_min_prob, draft_widths=draft_widths)
+                        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed, **options)
     V = model.config.vocab_size
     idx = torch.tensor([t[0] * V * V + t[1] * V + t[2] for t in r.tokens])
     return torch.bincount(idx, minlength=V**3), r.stats

@@ -296,9 +296,8 @@ def _decode(model, rows, vision, book: _Bookkeeper, params, generator, head) -> 
     while keep:
         if len(keep) < state.batch:  # some rows stopped: drop them from the batch
             state = state.select(keep)
-        found = book.lookup.drafts(book.live, state.slot.device) if book.lookup is not None else None
-        context = None if found is None else spec.ContextDrafts(found[0], found[1], all(found[2]))
-        matched = found[2] if found is not None else [False] * state.batch
+        context = book.lookup.drafts(book.live, state.slot.device) if book.lookup is not None else None
+        matched = context.matched if context is not None else [False] * state.batch
         if k == 0 and context is None:
             result = _plain_step(model, state, params, generator)
         elif widths:

@@ -16,9 +16,24 @@ last end position of each n-gram), so a lookup costs max - min + 1 dict reads wh
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 DEFAULT_NGRAM = (2, 4)
+
+
+class ContextDrafts(NamedTuple):
+    """Drafts looked up in each live row's context for one step."""
+
+    tokens: torch.Tensor  # [B, L] padded past count (never accepted there)
+    count: torch.Tensor  # [B] drafts found (0: no match, the row drafts with the MTP)
+    matched: list[bool]  # per row, on the host
+
+    @property
+    def every_row(self) -> bool:
+        """Every row matched: MTP depths past a draft tree's are not needed."""
+        return all(self.matched)
 
 
 def check_ngram(ngram) -> tuple[int, int]:
@@ -60,13 +75,13 @@ class ContextLookup:
                 return seq[end + 1 : end + 1 + self.tokens]
         return []
 
-    def drafts(self, rows: list[int], device) -> tuple[torch.Tensor, torch.Tensor, list[bool]] | None:
-        """For the live rows (original indices, in batch order): drafts [B, L] (padded with each row's last
-        token, never accepted past count), count [B] and which rows matched; None when no row matched."""
+    def drafts(self, rows: list[int], device) -> ContextDrafts | None:
+        """The live rows' drafts (`rows`: their original indices, in batch order), padded with each row's last
+        token; None when no row matched."""
         found = [self.propose(r) for r in rows]
         if not any(found):
             return None
         width = max(map(len, found))
         padded = [f + [self.sequences[r][-1]] * (width - len(f)) for f, r in zip(found, rows)]
-        return (torch.tensor(padded, device=device), torch.tensor(list(map(len, found)), device=device),
-                [bool(f) for f in found])
+        return ContextDrafts(torch.tensor(padded, device=device), torch.tensor(list(map(len, found)), device=device),
+                             [bool(f) for f in found])

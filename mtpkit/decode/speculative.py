@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.linear import linear
+from .lookup import ContextDrafts
 from .sampling import SamplingParams, probs, sample
 from .state import DecodeState, StepResult
 
@@ -106,14 +107,6 @@ class Drafts(NamedTuple):
     # [B, sum(w_d - 1) over d <= len(widths)]: the alternatives of a draft tree, depth 1's first; None for a chain
     alternatives: torch.Tensor | None = None
     widths: tuple[int, ...] = ()  # the draft tree's tokens per position that `alternatives` hold (() for a chain)
-
-
-class ContextDrafts(NamedTuple):
-    """Drafts looked up in each row's context (`decode/lookup.py`) for one step."""
-
-    tokens: torch.Tensor  # [B, L] padded past count
-    count: torch.Tensor  # [B] drafts found (0: no match, the row drafts with the MTP)
-    every_row: bool  # every row matched: MTP depths past the tree's are not needed
 
 
 def draft(model, state: DecodeState, *, k: int, head: DraftHead, generator, widths: tuple[int, ...] = (),

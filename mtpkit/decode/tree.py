@@ -32,6 +32,7 @@ from typing import NamedTuple
 import torch
 
 from . import speculative as spec
+from .lookup import ContextDrafts
 from .sampling import SamplingParams, probs, sample
 from .state import DecodeState, StepResult
 
@@ -83,7 +84,7 @@ def verified_tokens(widths: tuple[int, ...], drafts: int) -> int:
 
 
 def step(model, state: DecodeState, *, k: int, widths: tuple[int, ...], head: spec.DraftHead,
-         params: SamplingParams, generator, context: spec.ContextDrafts | None = None) -> StepResult:
+         params: SamplingParams, generator, context: ContextDrafts | None = None) -> StepResult:
     """One tree step for every row: draft the chain and its alternatives (the chain from the context where a row
     found one: `context`), verify the tree in one trunk forward, accept (the chain as `speculative.verify` does,
     then an alternative equal to the token emitted at the first rejection), move the accepted alternative's K/V

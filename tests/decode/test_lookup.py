@@ -41,8 +41,9 @@ def test_growing_a_row_step_by_step_indexes_as_building_it_at_once():
         whole = ContextLookup([seq[:at]], tokens=5, ngram=(1, 4))
         assert grown.propose(0) == whole.propose(0) and grown.ends[0] == whole.ends[0]
     found = grown.drafts([1, 0], "cpu")
-    assert found is not None and found[2] == [bool(grown.propose(1)), True]
-    assert found[1].tolist() == [len(grown.propose(1)), len(grown.propose(0))]
+    assert found is not None and found.matched == [bool(grown.propose(1)), True]
+    assert found.count.tolist() == [len(grown.propose(1)), len(grown.propose(0))]
+    assert found.tokens[1, : found.count[1]].tolist() == grown.propose(0)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])

@@ -142,7 +142,7 @@ def draft(model, state: DecodeState, *, k: int, head: DraftHead, generator, widt
         if sure is not None:
             going &= sure
     drafts = Drafts(torch.stack(tokens, 1), None if qs[0] is None else torch.stack(qs, 1), count,
-                    torch.cat(others, 1) if others else None, widths[: len(others)])
+                    torch.cat(others, 1) if others else None, widths[: len(tokens)])
     return drafts if context is None else with_context(drafts, context, head.vocab_size)
 
 

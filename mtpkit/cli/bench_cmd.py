@@ -82,9 +82,10 @@ def run(args) -> int:
     lookups = sorted(set(numbers(args.draft_lookup, int, "--draft-lookup"))) or [0]
     if lookups[0] < 0:
         raise ValueError(f"--draft-lookup needs lengths >= 0 (0: off), got {args.draft_lookup!r}")
-    if not ks or ks[0] < 0 or (ks[0] == 0 and lookups[-1] == 0) or ks[-1] == 0:
+    if not ks or ks[0] < 0 or (ks[0] == 0 and lookups[-1] == 0):
         raise ValueError(f"--draft-tokens needs k values >= 1 (0 too with --draft-lookup L > 0), "
                          f"got {args.draft_tokens!r}")
+    ngram = check_ngram(numbers(args.draft_lookup_ngram, int, "--draft-lookup-ngram"))
     min_probs = sorted(set(numbers(args.draft_min_prob, float, "--draft-min-prob"))) or [0.0]
     if not all(0 <= p <= 1 for p in min_probs):
         raise ValueError(f"--draft-min-prob values must be in [0, 1], got {args.draft_min_prob!r}")
@@ -111,15 +112,14 @@ def run(args) -> int:
     head = args.mtp or shipped_head(path)
     if head:
         load_mtp_head(model, head)
-    if model.drafter is None:
+    if model.drafter is None and ks[-1] > 0:
         raise ValueError(f"{path} has no MTP head: pass one with --mtp (train one with mtpkit train, mtp.only = true)")
-    if args.full_vocab:
+    if args.full_vocab and model.drafter is not None:
         model.drafter.draft_vocab = None
     if args.quantize:
         quantize_int8(model)
     tokenizer = load_tokenizer(path)
     hf = load_hf_baseline(path, dtype) if baselines else None
-    ngram = check_ngram(numbers(args.draft_lookup_ngram, int, "--draft-lookup-ngram"))
     bench = dict(num_tokens=args.num_tokens, ks=ks, min_probs=min_probs, widths=widths, lookups=lookups,
                  lookup_ngram=ngram, temperature=args.temperature,
                  repeats=args.repeats, eos_token_id=tokenizer.eos_token_id, hf_model=hf, baselines=baselines,

@@ -239,6 +239,23 @@ def test_bench_cli_context_drafts(llama_dir, tmp_path, capsys):
     assert "k=1 w=3 lookup=3" in out and "looked up" in out
 
 
+def test_bench_cli_context_drafts_without_a_head(tmp_path):
+    """A model without a head benchmarks context drafts alone (k = 0)."""
+    path = tmp_path / "no_head"
+    save_hf(hf_model("llama"), path)
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, eos_token="t255", unk_token="t0").save_pretrained(path)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("t5 t9 t3 t7 t158 t172 t250 t241 t102 t209 t255 t5 t9 t3 t7\n")
+    rc = main(["bench", "--model", str(path), "--prompts", str(prompts), "--num-tokens", "24", "--draft-tokens", "0",
+               "--draft-lookup", "3", "--draft-lookup-ngram", "1,2", "--repeats", "1", "--step-repeats", "0",
+               "--json", str(tmp_path / "r.json")])
+    assert rc == 0
+    (run,) = json.loads((tmp_path / "r.json").read_text())["runs"]
+    assert run["draft_tokens"] == 0 and run["identical"] and run["context_drafted_share"] == 1
+
+
 @pytest.mark.parametrize("args, message", [
     (["--draft-tokens", "0"], "0 too with --draft-lookup"),
     (["--draft-lookup", "-1"], "--draft-lookup needs lengths >= 0"),

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from ..assets import is_default_model
 from ..decode.generate import generate
-from ..decode.lookup import DEFAULT_NGRAM
+from ..decode.lookup import DEFAULT_NGRAM, most_drafts
 from ..decode.tree import normalize_widths, verified_tokens
 from ..models.multimodal import image_inputs, open_images
 from ..tokenizer import encode_prompt
@@ -195,7 +195,7 @@ def run_bench(model, prompts: list[Prompt], *, num_tokens: int, ks: list[int], m
     costs = None
     if step_repeats:
         context = int(statistics.median(len(p.ids) for p in prompts)) + num_tokens // 2
-        most = max(verified_tokens(w, max(k, n)) for k, _, w, n in specs)
+        most = max(verified_tokens(w, most_drafts(k, n)) for k, _, w, n in specs)
         costs = measure_step_costs(model, max(ks), context, step_repeats, most)
     greedy = temperature == 0
     gaps = first_differences(model, prompts, outputs, [*specs, *extra]) if greedy else {}
@@ -237,7 +237,7 @@ def summarise(prompts, specs, outputs, median, *, baselines=(), greedy: bool, co
     runs = []
     for cfg in specs:
         k, min_prob, widths, lookup = cfg
-        most = max(k, lookup)  # drafts a step proposes at most
+        most = most_drafts(k, lookup)
         stats = [outputs[cfg, i][1] for i in range(n)]
         steps = sum(s["verification_steps"] for s in stats)
         accepted = sum(s["accepted"] for s in stats)

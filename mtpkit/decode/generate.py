@@ -24,7 +24,7 @@ from . import blockwise
 from . import speculative as spec
 from . import tree
 from .cache import Cache
-from .lookup import DEFAULT_NGRAM, ContextLookup
+from .lookup import DEFAULT_NGRAM, ContextLookup, most_drafts
 from ..kernels.linear import routed_linears
 from .matmul_routing import router_for
 from .sampling import SamplingParams, select
@@ -88,7 +88,7 @@ class _Bookkeeper:
         self.forward_passes = self.steps = self.accepted = self.drafted = 0
         self.verified = self.alternatives = 0  # tokens rows put into verify forwards; draft-tree leaves kept
         self.looked_up = 0  # verification steps whose drafts came from the context
-        self.most = max(k, lookup.tokens if lookup else 0)  # drafts a step proposes at most
+        self.most = most_drafts(k, lookup.tokens if lookup else 0)
         self.accepted_per_position = [0] * self.most
         self.draft_lengths = [0] * self.most
 

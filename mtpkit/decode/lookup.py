@@ -36,6 +36,11 @@ class ContextDrafts(NamedTuple):
         return all(self.matched)
 
 
+def most_drafts(k: int, lookup: int) -> int:
+    """Drafts a step proposes at most: the MTP's k, or the L looked up where a row found a match."""
+    return max(k, lookup)
+
+
 def check_ngram(ngram) -> tuple[int, int]:
     """(min, max) n-gram lengths to match, 1 <= min <= max."""
     ngram = tuple(ngram)

@@ -117,17 +117,18 @@ def draft(model, state: DecodeState, *, k: int, head: DraftHead, generator, widt
     Without gating count = K = k. `widths[d - 1]` = w > 1 also returns the head's w - 1 next most likely tokens at
     depth d as `alternatives` (a draft tree, `decode/tree.py`); the chain follows the first draft only.
     `context`: rows that found their context's drafts take those as the chain instead (see `with_context`)."""
-    if context is not None and context.every_row and not widths:  # nothing of the head's would be verified
+    # every row matched: the context's drafts replace the head's chain, so the head drafts only the depths a tree
+    # verifies (none without a tree)
+    depths = min(k, len(widths)) if context is not None and context.every_row else k
+    if not depths:
         return context_only(context, head.params, head.vocab_size)
     hidden = state.draft_hidden
     tokens, qs, others = [], [], []
     going = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)  # row drafts at this depth
     count = torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device)
-    for depth in range(1, k + 1):
+    for depth in range(1, depths + 1):
         if depth > 1:
             if head.min_prob and not bool(going.any()):
-                break
-            if context is not None and context.every_row and depth > len(widths):
                 break
             # chain: the previous draft and the MTP's own post-norm output, one position further
             slots = state.slots(1, offset=depth - 2)

@@ -263,7 +263,7 @@ class Trainer:
         rec = {
             "step": self.step,
             "loss": loss,
-            "main_loss": main,
+            "main_loss": None if self.cfg.data.mode == "features" else main,  # features: only computed at eval
             "mtp_loss": (mtp + [None] * D)[:D],
             "mtp_acc": (acc + [None] * D)[:D],
             "lr": lrs.get("trunk", lrs.get("trunk_no_decay")),
@@ -323,7 +323,7 @@ class Trainer:
         if rec["step"] % self.cfg.log.every and rec["step"] != self.cfg.train.steps and "val_main_loss" not in rec:
             return
         parts = [f"step {rec['step']:>{len(str(self.cfg.train.steps))}}/{self.cfg.train.steps}",
-                 f"loss {rec['loss']:.4f}", f"main {rec['main_loss']:.4f}"]
+                 f"loss {rec['loss']:.4f}"] + ([] if rec["main_loss"] is None else [f"main {rec['main_loss']:.4f}"])
         if self.cfg.mtp.depth:
             parts += [f"mtp {_fmt_list(rec['mtp_loss'], '.3f')}", f"acc {_fmt_list(rec['mtp_acc'], '.3f')}"]
         parts += [f"lr {rec['lr']:.2e}" if rec["lr"] is not None else f"lr_mtp {rec['lr_mtp']:.2e}",

@@ -5,8 +5,7 @@ import json
 
 import pytest
 from drafting import parallel_drafting_model
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from tiny_models import save_word_tokenizer
 
 import mtpkit
 from mtpkit.cli import main
@@ -16,9 +15,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_bench_cli_with_parallel_heads(tmp_path, capsys):
     mtpkit.save_model(parallel_drafting_model("llama", heads=2), tmp_path / "m")
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(32)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=words, eos_token="t31", unk_token="t0").save_pretrained(tmp_path / "m")
+    save_word_tokenizer(tmp_path / "m", words=32)
     (tmp_path / "p.txt").write_text("t1 t2 t3 t4 t5\nt9 t8 t7\n")
     rc = main(["bench", "--model", str(tmp_path / "m"), "--prompts", str(tmp_path / "p.txt"), "--num-tokens", "12",
                "--draft-tokens", "1,2", "--repeats", "1", "--step-repeats", "1", "--json", str(tmp_path / "r.json")])

@@ -8,9 +8,7 @@ import time
 
 import pytest
 import torch
-from tiny_models import hf_model, random_mtp_tensors, save_hf
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from tiny_models import hf_model, random_mtp_tensors, save_hf, save_word_tokenizer
 
 import mtpkit
 from mtpkit.bench import speedup
@@ -174,9 +172,7 @@ def llama_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama")
     ref = hf_model("llama")
     save_hf(ref, path, mtp_tensors=random_mtp_tensors(ref))
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=words, eos_token="t255", unk_token="t0").save_pretrained(path)
+    save_word_tokenizer(path)
     return path
 
 
@@ -243,9 +239,7 @@ def test_bench_cli_context_drafts_without_a_head(tmp_path):
     """A model without a head benchmarks context drafts alone (k = 0)."""
     path = tmp_path / "no_head"
     save_hf(hf_model("llama"), path)
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=words, eos_token="t255", unk_token="t0").save_pretrained(path)
+    save_word_tokenizer(path)
     prompts = tmp_path / "p.txt"
     prompts.write_text("t5 t9 t3 t7 t158 t172 t250 t241 t102 t209 t255 t5 t9 t3 t7\n")
     rc = main(["bench", "--model", str(path), "--prompts", str(prompts), "--num-tokens", "24", "--draft-tokens", "0",

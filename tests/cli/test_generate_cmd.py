@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import hf_model, save_hf
+from tiny_models import hf_model, save_hf, save_word_tokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -27,11 +27,7 @@ def model_dir(tmp_path_factory):
     """A tiny Llama without an MTP head, and a tokenizer whose words are t0 .. t255 (eos t255)."""
     path = tmp_path_factory.mktemp("tiny_llama")
     save_hf(hf_model("llama"), path)
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=words, eos_token="t255", unk_token="t0")
-    tok.chat_template = "{% for m in messages %}t10 {{ m['content'] }} {% endfor %}t11"
-    tok.save_pretrained(path)
+    save_word_tokenizer(path, chat_template="{% for m in messages %}t10 {{ m['content'] }} {% endfor %}t11")
     return path
 
 

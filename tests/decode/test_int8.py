@@ -6,9 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from drafting import PROMPTS, assert_greedy_is_full_forward_argmax, drafting_model
-from tiny_models import hf_model, save_hf
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from tiny_models import hf_model, save_hf, save_word_tokenizer
 
 import mtpkit
 from mtpkit.checkpoint.mtp_head import load_mtp_head, save_mtp_head
@@ -153,9 +151,7 @@ def test_generate_cli_quantizes_after_loading_the_head(tmp_path, capsys):
     default --dtype with --quantize), its head attached, then quantised, and speculates on it."""
     path = tmp_path / "model"
     save_hf(hf_model("llama"), path)
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=words, eos_token="t255", unk_token="t0").save_pretrained(path)
+    save_word_tokenizer(path)
     head = save_mtp_head(mtpkit.add_mtp(mtpkit.load_model(path)), tmp_path / "head.safetensors")
     model = mtpkit.load_model(path, dtype=torch.bfloat16)
     quantize_int8(load_mtp_head(model, head))

@@ -7,6 +7,7 @@ import json
 import torch
 import transformers as tf
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 VOCAB = 256
 _HYBRID = dict(
@@ -182,3 +183,13 @@ def vlm_prompt(spec, seed: int = 0, patch_dim: int = 96, merge: int = 2) -> dict
         if grids[kind]:
             out[px], out[grid] = torch.cat(pixels[kind]), torch.tensor(grids[kind])
     return out
+
+
+def save_word_tokenizer(path, words: int = 256, chat_template: str | None = None) -> None:
+    """Save to `path` a tokenizer whose words are t0 .. t{words - 1}, split on whitespace (eos: the last word)."""
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(words)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"t{words - 1}", unk_token="t0")
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(path)

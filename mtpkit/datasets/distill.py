@@ -20,12 +20,13 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..tokenizer import encode_prompt
+from .distill_features import HiddenCapture, HiddenShards
 
 
-def _generate(model, rows: list[list[int]], max_new_tokens: int, eos) -> list[list[int]]:
+def _generate(model, rows: list[list[int]], max_new_tokens: int, eos, on_hidden=None) -> list[list[int]]:
     from ..decode.generate import generate
 
-    return generate(model, rows, max_new_tokens=max_new_tokens, eos_token_id=eos).tokens
+    return generate(model, rows, max_new_tokens=max_new_tokens, eos_token_id=eos, on_hidden=on_hidden).tokens
 
 
 def _interleaved(n: int, done: set[int], encoded: list[list[int]], batch_size: int) -> list[int]:
@@ -80,11 +81,14 @@ def _done_indices(out_path: Path) -> set[int]:
     return {json.loads(line)["index"] for line in data[:end].splitlines() if line.strip()}
 
 
-def distill(model, tokenizer, prompts: list[dict], out_path, *, max_new_tokens: int = 128, batch_size: int = 32) -> dict:
+def distill(model, tokenizer, prompts: list[dict], out_path, *, max_new_tokens: int = 128, batch_size: int = 32,
+            shards: HiddenShards | None = None, topk: int = 0, max_seconds: float | None = None) -> dict:
     """Greedy-decode every prompt with mtpkit's engine and append one JSONL record per sample to out_path:
     {"index", "input_ids": prompt + completion, "loss_mask": 0 on prompt tokens and 1 on the completion, "kind",
-    "prompt"}. Prompts whose index is already in out_path are skipped (resume). Returns {"samples", "tokens"
-    (completion tokens made by this call), "seconds", "tokens_per_second"}."""
+    "prompt"}. Prompts whose index is already in out_path are skipped (resume). With `shards`, each batch's trunk
+    hidden states (bf16, and the top-`topk` log-probabilities) are kept there (`distill_features`). No new batch
+    starts after max_seconds. Returns {"samples", "done" (records in out_path), "tokens" (completion tokens made
+    by this call), "seconds", "tokens_per_second"}."""
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = _done_indices(out_path)
@@ -93,7 +97,12 @@ def distill(model, tokenizer, prompts: list[dict], out_path, *, max_new_tokens: 
     total, start = 0, time.perf_counter()
     with out_path.open("a") as f, tqdm(total=len(prompts), initial=len(done), desc="distill", unit="prompt") as bar:
         for idx in _batches(order, batch_size):
-            news = _generate(model, [encoded[i] for i in idx], max_new_tokens, tokenizer.eos_token_id)
+            if max_seconds is not None and time.perf_counter() - start > max_seconds:
+                break
+            capture = HiddenCapture(model, len(idx), hidden_dtype="bfloat16", topk=topk) if shards else None
+            news = _generate(model, [encoded[i] for i in idx], max_new_tokens, tokenizer.eos_token_id, capture)
+            if shards:
+                shards.write(idx, capture, [len(encoded[i]) + len(new) for i, new in zip(idx, news)])
             for i, new in zip(idx, news):
                 total += len(new)
                 rec = {"index": i, "input_ids": encoded[i] + new,
@@ -102,10 +111,11 @@ def distill(model, tokenizer, prompts: list[dict], out_path, *, max_new_tokens: 
                 f.write(json.dumps(rec) + "\n")
             f.flush()
             os.fsync(f.fileno())
+            done.update(idx)
             bar.update(len(idx))
             bar.set_postfix(tok_s=f"{total / (time.perf_counter() - start):.0f}")
     seconds = time.perf_counter() - start
-    return {"samples": len(prompts), "tokens": total, "seconds": seconds,
+    return {"samples": len(prompts), "done": len(done), "tokens": total, "seconds": seconds,
             "tokens_per_second": total / seconds if seconds > 0 else 0.0}
 
 

@@ -62,7 +62,14 @@ def _trunk_hidden(model, rows: list[list[int]], docs, compute: str) -> torch.Ten
     return hidden[real.to(dev)]
 
 
-def _topk(model, hidden: torch.Tensor, k: int, dtype: torch.dtype, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+def stored_hidden(hidden: torch.Tensor, hidden_dtype: str) -> np.ndarray:
+    """Hidden states [n, H] as a features directory stores them (bf16 bits as uint16, or float32)."""
+    if hidden_dtype == "bfloat16":
+        return bf16_to_numpy(hidden.to(torch.bfloat16))
+    return hidden.float().cpu().numpy()
+
+
+def topk_logprobs(model, hidden: torch.Tensor, k: int, dtype: torch.dtype, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [n, H] -> the top-k ids [n, k] and their log-probabilities (logits in `dtype`, softmax in fp32)."""
     ids, lps = [], []
     w = model.output_weight.to(dtype)
@@ -96,6 +103,57 @@ def _open_arrays(out: Path, docs, meta: dict, fresh: bool) -> dict[str, np.ndarr
             for name, (shape, dt) in shapes.items()}
 
 
+def read_distilled(records, tokenizer) -> tuple[list[Path], list[dict], list[tuple[np.ndarray, np.ndarray | None]]]:
+    """JSONL record files (as `mtpkit distill` writes them, with `tokenizer`) -> the files, their records and (ids,
+    loss mask) per record, checked."""
+    files = [Path(p).expanduser() for p in ([records] if isinstance(records, (str, Path)) else records)]
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"records file {f} does not exist")
+    raw = read_records(files, "jsonl", "input_ids", whole=True)
+    if not raw:
+        raise DataError(f"no records in {', '.join(map(str, files))}")
+    return files, raw, tokenize_documents(raw, tokenizer, "tokens")
+
+
+def open_features(identity: dict, vocab_size: int, files, docs, out, *, topk: int, hidden_dtype: str,
+                  fresh: bool = False) -> tuple[dict[str, np.ndarray], int]:
+    """The features directory `out` for `docs` of a trunk with `identity` (`model_identity`): created with its
+    token arrays, or reopened to continue (refused when it holds another run's features), or created anew when
+    `fresh` (old files replaced). Returns its arrays (open for writing) and the records already done."""
+    if hidden_dtype not in HIDDEN_DTYPES:
+        raise ValueError(f"hidden dtype must be one of {', '.join(HIDDEN_DTYPES)}, not {hidden_dtype!r}")
+    if topk < 0 or topk > vocab_size:
+        raise ValueError(f"topk must lie in 0..{vocab_size}, not {topk}")
+    if max(int(d.max()) for d, _ in docs) >= vocab_size:
+        raise DataError(f"the records hold token ids >= the model's vocab_size {vocab_size}: they come from another "
+                        "model")
+    meta = {"version": VERSION, "model": identity, "records_sha": _records_sha(docs), "records": len(docs),
+            "tokens": int(sum(len(d) for d, _ in docs)), "hidden_dtype": hidden_dtype, "topk": topk,
+            "sources": [str(f) for f in files]}
+    out = Path(out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    if fresh:
+        (out / "meta.json").unlink(missing_ok=True)
+    new = not (out / "meta.json").exists()
+    if not new:
+        old = json.loads((out / "meta.json").read_text())
+        keys = ("version", "model", "records_sha", "records", "tokens", "hidden_dtype", "topk")
+        diff = [k for k in keys if old.get(k) != meta[k]]
+        if diff:
+            raise ValueError(f"{out} holds features of another run (different {', '.join(diff)}): use another "
+                             "--out or delete that directory")
+    arrays = _open_arrays(out, docs, meta, new)
+    if new:
+        _write_json(out / "progress.json", {"records_done": 0})
+        _write_json(out / "meta.json", meta)  # last: its presence means the arrays exist
+    return arrays, json.loads((out / "progress.json").read_text())["records_done"]
+
+
+def mark_done(out, records_done: int) -> None:
+    _write_json(Path(out).expanduser() / "progress.json", {"records_done": records_done})
+
+
 def build_features(model, tokenizer, records, out, *, topk: int = 0, hidden_dtype: str = "bfloat16",
                    compute: str = "bfloat16", batch_tokens: int = 8192, row_tokens: int = 256,
                    progress: bool = True) -> dict:
@@ -109,63 +167,33 @@ def build_features(model, tokenizer, records, out, *, topk: int = 0, hidden_dtyp
     "tokens_per_second"} of this call."""
     from tqdm import tqdm
 
-    if hidden_dtype not in HIDDEN_DTYPES:
-        raise ValueError(f"hidden dtype must be one of {', '.join(HIDDEN_DTYPES)}, not {hidden_dtype!r}")
     if compute not in ("float32", "bfloat16", "autocast"):
         raise ValueError(f"compute must be float32, bfloat16 or autocast, not {compute!r}")
-    if topk < 0 or topk > model.config.vocab_size:
-        raise ValueError(f"topk must lie in 0..{model.config.vocab_size}, not {topk}")
     if batch_tokens < 1 or row_tokens < 1:
         raise ValueError("batch_tokens and row_tokens must be >= 1")
-    files = [Path(p).expanduser() for p in ([records] if isinstance(records, (str, Path)) else records)]
-    for f in files:
-        if not f.is_file():
-            raise FileNotFoundError(f"records file {f} does not exist")
-    docs = tokenize_documents(read_records(files, "jsonl", "input_ids", whole=True), tokenizer, "tokens")
-    if not docs:
-        raise DataError(f"no records in {', '.join(map(str, files))}")
-    vocab = model.config.vocab_size
-    if max(int(d.max()) for d, _ in docs) >= vocab:
-        raise DataError(f"the records hold token ids >= the model's vocab_size {vocab}: they come from another model")
-    meta = {"version": VERSION, "model": model_identity(model), "records_sha": _records_sha(docs),
-            "records": len(docs), "tokens": int(sum(len(d) for d, _ in docs)), "hidden_dtype": hidden_dtype,
-            "topk": topk, "sources": [str(f) for f in files]}
+    files, _, docs = read_distilled(records, tokenizer)
     out = Path(out).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
-    fresh = not (out / "meta.json").exists()
-    if not fresh:
-        old = json.loads((out / "meta.json").read_text())
-        keys = ("version", "model", "records_sha", "records", "tokens", "hidden_dtype", "topk")
-        diff = [k for k in keys if old.get(k) != meta[k]]
-        if diff:
-            raise ValueError(f"{out} holds features of another run (different {', '.join(diff)}): use another "
-                             "--out or delete that directory")
-    arrays = _open_arrays(out, docs, meta, fresh)
-    if fresh:
-        _write_json(out / "progress.json", {"records_done": 0})
-        _write_json(out / "meta.json", meta)  # last: its presence means the arrays exist
-    done = json.loads((out / "progress.json").read_text())["records_done"]
-
+    arrays, done = open_features(model_identity(model), model.config.vocab_size, files, docs, out, topk=topk,
+                                 hidden_dtype=hidden_dtype)
     if compute == "bfloat16":
         model = model.to(torch.bfloat16)
     lengths = [len(d) for d, _ in docs]
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     made, start = 0, time.perf_counter()
-    with torch.inference_mode(), tqdm(total=meta["tokens"], initial=int(offsets[done]), unit="tok",
+    with torch.inference_mode(), tqdm(total=int(offsets[-1]), initial=int(offsets[done]), unit="tok",
                                       unit_scale=True, desc="features", disable=not progress) as bar:
         for rows in _row_batches(lengths, done, row_tokens, batch_tokens):
             hidden = _trunk_hidden(model, rows, docs, compute)  # [n, H], records rows[0][0].. in order
             a, b = int(offsets[rows[0][0]]), int(offsets[rows[-1][-1] + 1])
-            h = hidden.to(torch.bfloat16 if hidden_dtype == "bfloat16" else torch.float32)
-            arrays["hidden"][a:b] = bf16_to_numpy(h) if hidden_dtype == "bfloat16" else h.cpu().numpy()
+            arrays["hidden"][a:b] = stored_hidden(hidden, hidden_dtype)
             if topk:
-                ids, lps = _topk(model, hidden, topk, torch.float32 if compute == "float32" else torch.bfloat16)
+                ids, lps = topk_logprobs(model, hidden, topk, torch.float32 if compute == "float32" else torch.bfloat16)
                 arrays["topk_ids"][a:b] = ids.cpu().numpy()
                 arrays["topk_logprobs"][a:b] = lps.cpu().numpy()
             for arr in arrays.values():
                 arr.flush()
             done = rows[-1][-1] + 1
-            _write_json(out / "progress.json", {"records_done": done})
+            mark_done(out, done)
             made += b - a
             bar.update(b - a)
     seconds = time.perf_counter() - start

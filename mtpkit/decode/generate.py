@@ -149,11 +149,11 @@ class _Bookkeeper:
         }
 
 
-def _prefill(model, cache, rows, vision, params, generator, k: int) -> DecodeState:
+def _prefill(model, cache, rows, vision, params, generator, k: int, on_hidden=None) -> DecodeState:
     """Prefill runs of equal-length text rows in one forward each, and each image prompt on its own. Returns the
     decode state after the prompts: each row's first sampled token, its rope delta (decoding continues at
     position slot + delta; 0 for text) and, when drafting k > 0 tokens, the drafting state at its last prompt
-    position (its cache filled over the prompt)."""
+    position (its cache filled over the prompt). on_hidden(rows, hidden [b, T, H]) sees each run's trunk output."""
     device = model.output_weight.device
     firsts, deltas, draft_hiddens, start = [], [], [], 0
     runs = itertools.groupby(range(len(rows)), key=lambda i: (len(rows[i]), i if vision[i] else -1))
@@ -167,6 +167,8 @@ def _prefill(model, cache, rows, vision, params, generator, k: int) -> DecodeSta
         slots = torch.arange(length, device=device).expand_as(ids)
         hidden = model(inputs_embeds=inputs.embeds, positions=inputs.positions, deepstack=inputs.deepstack,
                        cache=view, cache_positions=slots, return_logits=False, kv_len=length).hidden  # [b, T, H]
+        if on_hidden is not None:
+            on_hidden(group, hidden)
         first = select(model.logits(hidden[:, -1]), params, generator)
         firsts.append(first)
         delta = inputs.rope_deltas
@@ -202,6 +204,7 @@ def generate(
     draft_lookup: int = 0,
     draft_lookup_ngram: tuple[int, int] = DEFAULT_NGRAM,
     on_tokens: Callable[[int, list[int]], None] | None = None,
+    on_hidden: Callable[[list[int], torch.Tensor], None] | None = None,
 ) -> GenerateResult:
     """Decode up to max_new_tokens new tokens per prompt (rows of token ids, or for a vision-language model
     dicts from `mtpkit.image_inputs` with the image patches); draft_tokens=k > 0 drafts k tokens per step with the
@@ -218,7 +221,10 @@ def generate(
     `draft_lookup` = L > 0 drafts up to L tokens from the context where a row's last n tokens (n in
     `draft_lookup_ngram` = (min, max)) occurred before, in place of the MTP's chain (prompt-lookup decoding,
     `decode/lookup.py`); the head's tree alternatives stay. With draft_tokens = 0 it needs no head.
-    `on_tokens(row, ids)` is called with every row's new tokens as they are produced (for streaming)."""
+    `on_tokens(row, ids)` is called with every row's new tokens as they are produced (for streaming).
+    `on_hidden(rows, hidden [b, n, H])`, plain decoding only, is called with the trunk's post-norm hidden states
+    of every token a forward reads (the prompt, then each new token but the last), for those prompt rows: a
+    self-distillation run stores them as training features without running the trunk again."""
     params = SamplingParams(temperature, top_k, top_p)
     cfg = model.config
     rows, vision = _prompt_rows(prompts, cfg.vocab_size)
@@ -232,6 +238,9 @@ def generate(
     if model.mtp_heads is not None and k > len(model.mtp_heads.layers):
         raise ValueError(f"draft_tokens = {k} but the model has {len(model.mtp_heads.layers)} parallel heads, one "
                          f"per draft: use draft_tokens <= {len(model.mtp_heads.layers)}")
+    if on_hidden is not None and (k or draft_lookup):
+        raise ValueError("on_hidden reads the trunk's hidden states of plain decoding: leave draft_tokens and "
+                         "draft_lookup at 0")
     if draft_min_prob and not k:
         raise ValueError("draft_min_prob gates speculative drafting: give draft_tokens >= 1 as well")
     widths = tree.normalize_widths(draft_widths, k)
@@ -273,25 +282,25 @@ def generate(
 
     book = _Bookkeeper(len(rows), k, max_new_tokens, eos, on_tokens, widths, lookup)
     with routed_linears(router_for(model)):
-        return _decode(model, rows, vision, book, params, generator, head)
+        return _decode(model, rows, vision, book, params, generator, head, on_hidden)
 
 
 def _plain_step(model, state: DecodeState, params: SamplingParams, generator) -> StepResult:
     """One trunk forward over each row's last token: one new token per row, nothing drafted."""
     slots = state.slots(1)
-    logits = model(state.last[:, None], positions=state.rope_positions(slots), cache=state.cache,
-                   cache_positions=slots, kv_len=state.top_slot + 1).logits[:, 0]
+    out = model(state.last[:, None], positions=state.rope_positions(slots), cache=state.cache,
+                cache_positions=slots, kv_len=state.top_slot + 1)
     none = torch.zeros_like(state.last)
-    return StepResult(accepted=none, drafted=none, tokens=select(logits, params, generator)[:, None],
-                      draft_hidden=None)
+    return StepResult(accepted=none, drafted=none, tokens=select(out.logits[:, 0], params, generator)[:, None],
+                      draft_hidden=None, trunk_hidden=out.hidden[:, 0])
 
 
-def _decode(model, rows, vision, book: _Bookkeeper, params, generator, head) -> GenerateResult:
+def _decode(model, rows, vision, book: _Bookkeeper, params, generator, head, on_hidden=None) -> GenerateResult:
     start = time.perf_counter()
     k, widths, weight = book.k, book.widths, model.output_weight
     most = tree.verified_tokens(widths, book.most)  # tokens a verify forward writes at most
     cache = Cache(model.config, len(rows), max(map(len, rows)) + book.max_new + most, weight.dtype, weight.device)
-    state = _prefill(model, cache, rows, vision, params, generator, k)
+    state = _prefill(model, cache, rows, vision, params, generator, k, on_hidden)
     keep = book.emit([[t] for t in state.last.tolist()])
     while keep:
         if len(keep) < state.batch:  # some rows stopped: drop them from the batch
@@ -308,6 +317,8 @@ def _decode(model, rows, vision, book: _Bookkeeper, params, generator, head) -> 
         else:
             result = spec.step(model, state, k=k, head=head, params=params, generator=generator, context=context)
         book.forward_passes += 1
+        if on_hidden is not None:
+            on_hidden(book.live, result.trunk_hidden[:, None])
         # the one device read of the step
         flags = result.alternative if result.alternative is not None else torch.zeros_like(result.accepted)
         host = torch.cat([result.accepted[:, None], result.drafted[:, None], flags[:, None].long(), result.tokens],

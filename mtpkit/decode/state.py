@@ -20,6 +20,7 @@ class StepResult(NamedTuple):
     tokens: torch.Tensor  # [B, K+1] of which the first accepted+1 are emitted; K = the longest row's drafts
     draft_hidden: torch.Tensor | None  # the next state's `draft_hidden`, at the last emitted token's predecessor
     alternative: torch.Tensor | None = None  # [B] bool, draft trees: the last accepted draft was an alternative
+    trunk_hidden: torch.Tensor | None = None  # [B, H] plain steps: the trunk's post-norm hidden at `last`
 
 
 @dataclass

@@ -12,5 +12,6 @@ common=(--num-prompts 1024 --max-new-tokens 128 --batch-size 128 --seed 30 --dty
 mtpkit distill --out "$work/plain.jsonl" "${common[@]}" --max-minutes 0 2>/dev/null  # the prompt list, once
 cp "$work/plain.jsonl.prompts.jsonl" "$work/kept.jsonl.prompts.jsonl"
 mtpkit distill --out "$work/plain.jsonl" "${common[@]}" --max-minutes "$minutes" 2>/dev/null
-mtpkit distill --out "$work/kept.jsonl" "${common[@]}" --max-minutes "$minutes" --features "$work/kept_features" 2>/dev/null
+mtpkit distill --out "$work/kept.jsonl" "${common[@]}" --max-minutes "$minutes" \
+  --features "$work/kept_features" 2>/dev/null
 mtpkit features --records "$work/plain.jsonl" --out "$work/pass_features" --compute "$dtype" 2>/dev/null

@@ -64,7 +64,8 @@ def run(args) -> int:
                                     lambda: build_prompts(args.num_prompts, args.seed, literature))
     shards = HiddenShards(out) if args.features else None
     info = distill(model, tokenizer, prompts, out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                   shards=shards, topk=args.topk, max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
+                   shards=shards, topk=args.topk,
+                   max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
     print(f"{info['done']} of {len(prompts)} prompts done; {info['tokens']} new tokens in {info['seconds']:.0f} s "
           f"({info['tokens_per_second']:.0f} tokens/s, {str(dtype).removeprefix('torch.')}) -> {out}")
     if shards is not None and info["done"]:

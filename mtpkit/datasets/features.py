@@ -69,7 +69,8 @@ def stored_hidden(hidden: torch.Tensor, hidden_dtype: str) -> np.ndarray:
     return hidden.float().cpu().numpy()
 
 
-def topk_logprobs(model, hidden: torch.Tensor, k: int, dtype: torch.dtype, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_logprobs(model, hidden: torch.Tensor, k: int, dtype: torch.dtype,
+                  chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [n, H] -> the top-k ids [n, k] and their log-probabilities (logits in `dtype`, softmax in fp32)."""
     ids, lps = [], []
     w = model.output_weight.to(dtype)

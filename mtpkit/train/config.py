@@ -38,6 +38,7 @@ class MTPSection:
     kind: str = "sequential"
     layers: int = 0  # MTP decoder layers of a new head (0: = depth); depths beyond them reuse the last layer
     init: str = "checkpoint"  # "checkpoint" (the model's own head) | "random" | "last_layer" (copy trunk's last layer)
+    init_from: str | None = None  # init = "checkpoint" from this head file (`mtpkit export --mtp-only`): warm start
     only: bool = False  # MTP-only: trunk, embedding and lm_head frozen; only mtp.* is trained
     detach_trunk: bool = False  # joint, isolated: the trunk learns from the main loss only, mtp.* from the MTP loss
     mtp_lambda: float = 0.1  # total MTP weight; depth d gets mtp_lambda / D unless `weights` is given
@@ -329,6 +330,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigKeyError("data.mode = 'features' and data.features = DIR (from `mtpkit features`) go together")
     if cfg.data.mode == "features" and not cfg.mtp.only:
         raise ConfigKeyError("data.mode = 'features' trains the MTP head alone on a frozen trunk: set mtp.only = true")
+    if cfg.mtp.init_from is not None and (cfg.mtp.init != "checkpoint" or cfg.model.path is None):
+        raise ConfigKeyError("mtp.init_from (a head file to start from) goes with mtp.init = 'checkpoint' and a "
+                             "model.path")
     if cfg.mtp.head_loss == "soft" and cfg.data.mode != "features":
         raise ConfigKeyError("mtp.head_loss = 'soft' needs the trunk's stored top-k: data.mode = 'features' with "
                              "features built by `mtpkit features --topk K`")

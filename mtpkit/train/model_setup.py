@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.hf import build_model, load_model
+from ..checkpoint.mtp_head import load_mtp_head
 from ..models.mtp import add_mtp
 from ..models.parallel_heads import add_parallel_heads
 from .config import TrainConfig
@@ -51,15 +52,19 @@ def build_train_model(cfg: TrainConfig):
     if m.depth == 0:
         return load_model(path, dtype=dtype, mtp=False, vision=vision)
     if m.init == "checkpoint":
-        model = load_model(path, dtype=dtype, mtp=True, vision=vision)
+        model = load_model(path, dtype=dtype, mtp=m.init_from is None, vision=vision)
+        source = path
+        if m.init_from is not None:
+            source = Path(m.init_from).expanduser()
+            load_mtp_head(model, source)
         head, what = (model.mtp_heads, "parallel heads") if parallel else (model.mtp, "MTP head")
         if head is None:
             raise ValueError(
-                f"{path} has no {what} (mtp.init = 'checkpoint'): set mtp.init = 'random' or 'last_layer' to add one"
+                f"{source} has no {what} (mtp.init = 'checkpoint'): set mtp.init = 'random' or 'last_layer' to add one"
             )
         want = m.depth if parallel else m.layers  # parallel: one head per depth; sequential: 0 = the checkpoint's
         if want and want != len(head.layers):
-            raise ValueError(f"mtp.{'depth' if parallel else 'layers'} = {want} but {path} has a {len(head.layers)}-"
+            raise ValueError(f"mtp.{'depth' if parallel else 'layers'} = {want} but {source} has a {len(head.layers)}-"
                              f"layer {what}: match it, or use mtp.init = 'random' / 'last_layer'")
         return model
     model = load_model(path, dtype=dtype, mtp=False, vision=vision)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from train_runs import TINY_MODEL, read_metrics, tiny_config, tiny_raw_config, write_toml
 
-from mtpkit.train.config import config_from_dict
+from mtpkit.train.config import ConfigKeyError, config_from_dict
 
 
 # --------------------------------------------------------------------------------------------------------- tests
@@ -99,6 +99,30 @@ def test_mtp_head_from_checkpoint_or_last_layer(tmp_path):
     raw["mtp"] = {"depth": 3, "init": "checkpoint"}  # 2 layers, 3 chained depths (the last layer is reused)
     m2 = build_train_model(config_from_dict(raw))
     assert torch.equal(m2.mtp.fc.weight, m.mtp.fc.weight)
+
+
+def test_mtp_head_from_a_head_file_warm_starts_a_plain_checkpoint(tmp_path):
+    import mtpkit
+    from mtpkit.checkpoint.mtp_head import save_mtp_head
+    from mtpkit.train.model_setup import build_train_model
+
+    raw = tiny_raw_config(tmp_path)
+    torch.manual_seed(0)
+    mtpkit.save_model(mtpkit.build_model(dict(TINY_MODEL)), tmp_path / "plain")
+    headed = mtpkit.load_model(tmp_path / "plain")
+    mtpkit.add_mtp(headed, 2, init="random")
+    save_mtp_head(headed, tmp_path / "head.safetensors", dtype=None)
+    raw["model"] = {"path": str(tmp_path / "plain"), "tokenizer": str(tmp_path / "tok")}
+    raw["mtp"] = {"depth": 2, "init": "checkpoint", "init_from": str(tmp_path / "head.safetensors")}
+    m = build_train_model(config_from_dict(raw))
+    assert m.state_dict().keys() == headed.state_dict().keys()
+    assert all(torch.equal(v, headed.state_dict()[k]) for k, v in m.state_dict().items())  # trunk and head
+    raw["mtp"]["layers"] = 1
+    with pytest.raises(ValueError, match="mtp.layers = 1 but .*head.safetensors has a 2-layer MTP head"):
+        build_train_model(config_from_dict(raw))
+    raw["mtp"] = {"depth": 2, "init": "random", "init_from": str(tmp_path / "head.safetensors")}
+    with pytest.raises(ConfigKeyError, match="mtp.init_from .* goes with mtp.init = 'checkpoint'"):
+        config_from_dict(raw)
 
 
 def test_lr_schedule_warmup_cosine_and_groups():

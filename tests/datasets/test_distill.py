@@ -10,7 +10,7 @@ from tiny_models import hf_model, save_hf
 import mtpkit
 from mtpkit.bench.speedup import DEFAULT_PROMPTS, read_prompts, resource
 from mtpkit.datasets.distill import distill
-from mtpkit.datasets.distill_prompts import TOPICS, build_prompts
+from mtpkit.datasets.distill_prompts import TOPICS, build_prompts, vocabulary_words
 
 
 class _CharTokenizer:
@@ -42,6 +42,33 @@ def test_prompts_keep_the_benchmarks_prompts_and_topics_out(tmp_path):
     assert not {p.text for p in bench} & texts
     # no topic of the distillation set is named in a benchmark prompt
     assert not [t for t in TOPICS for b in bench if t.lower() in b.text.lower()]
+
+
+class _VocabTokenizer:
+    tokens = ["\u0120function", "\u0120return", "\u0120Module", "\u0120xqzzyv", "\u2581string", "module", "\u0120sum"]
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.tokens[i] for i in ids]
+
+
+def test_vocabulary_words_are_whole_lowercase_words_outside_the_benchmark():
+    # "xqzzyv" is no word of any text, "Module" not lowercase, "module" has no leading space, "sum" too short
+    assert vocabulary_words(_VocabTokenizer()) == ["function", "return", "string"]
+    assert vocabulary_words(_VocabTokenizer(), exclude="What does Return do?") == ["function", "string"]
+
+
+def test_word_prompts_take_their_share_and_name_one_word():
+    words = ["lantern", "harvest", "velvet"]
+    a = build_prompts(2000, seed=1, words=words, word_share=0.3)
+    assert a == build_prompts(2000, seed=1, words=words, word_share=0.3)
+    about_words = [p for p in a if any(w in (p.get("prompt") or p["ask"]).lower() for w in words)]
+    assert abs(len(about_words) / len(a) - 0.3) < 0.02
+    assert {p["kind"] for p in about_words} == {"word", "self"}
+    assert {p["chat"] for p in about_words} == {True, False}
+    assert Counter(p["kind"] for p in build_prompts(2000, seed=1))["word"] == 0
 
 
 class _Replier(_CharTokenizer):

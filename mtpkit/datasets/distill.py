@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import time
 from pathlib import Path
 
@@ -59,7 +60,7 @@ def complete_prompts(model, tokenizer, prompts: list[dict], *, batch_size: int =
         if "ask" not in p:
             out.append(p)
         elif p["kind"] == "self":
-            line = next((s.strip(' "') for s in replies[i].splitlines() if s.strip(' "')), "")
+            line = _quoted(next((s.strip(' "') for s in replies[i].splitlines() if s.strip(' "')), ""))
             if line:
                 out.append({"prompt": line, "chat": True, "kind": "self"})
         else:
@@ -67,6 +68,12 @@ def complete_prompts(model, tokenizer, prompts: list[dict], *, batch_size: int =
                      {"role": "user", "content": p["follow_up"]}]
             out.append({"prompt": turns, "chat": True, "kind": "multiturn"})
     return out
+
+
+def _quoted(line: str) -> str:
+    """The question itself when the model framed it ('A curious person might ask: "Why ...?'), else the line."""
+    m = re.match(r'[^"]{0,80}[:,]\s*"(.+)$', line)
+    return m.group(1).strip(' "') if m else line
 
 
 def _done_indices(out_path: Path) -> set[int]:

@@ -81,6 +81,14 @@ class _Replier(_CharTokenizer):
         return "Why do owls hoot?\nsecond line"
 
 
+def test_a_framed_self_question_keeps_the_question_only():
+    from mtpkit.datasets.distill import _quoted
+
+    assert _quoted('A curious person might ask: "Why do owls hoot?') == "Why do owls hoot?"
+    assert _quoted('A helpful assistant might ask, "What is rust?"') == "What is rust?"
+    assert _quoted('What does "ergo" mean?') == 'What does "ergo" mean?'
+
+
 def test_self_and_multiturn_prompts_are_completed_with_the_models_words(tmp_path, monkeypatch):
     from mtpkit.datasets import distill as d
 

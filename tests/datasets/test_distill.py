@@ -96,14 +96,14 @@ def test_self_and_multiturn_prompts_are_completed_with_the_models_words(tmp_path
     raw = [{"ask": "Write one question.", "chat": True, "kind": "self"},
            {"ask": "Explain tides.", "follow_up": "Why is that?", "chat": True, "kind": "multiturn"},
            {"prompt": "Tides are", "chat": False, "kind": "prose"}]
-    done = d.load_or_build_prompts(None, _Replier(), tmp_path / "p.jsonl", lambda: raw)
+    done = d.load_or_build_prompts(None, _Replier(), tmp_path / "new" / "p.jsonl", lambda: raw)
     assert done[0] == {"prompt": "Why do owls hoot?", "chat": True, "kind": "self"}
     assert [t["content"] for t in done[1]["prompt"]] == ["Explain tides.", "Why do owls hoot?\nsecond line",
                                                         "Why is that?"]
     assert done[2] == raw[2]
     # a resumed run reads the same list back and never calls the model
     monkeypatch.setattr(d, "_generate", None)
-    assert d.load_or_build_prompts(None, _Replier(), tmp_path / "p.jsonl", lambda: raw) == done
+    assert d.load_or_build_prompts(None, _Replier(), tmp_path / "new" / "p.jsonl", lambda: raw) == done
 
 
 def test_distill_records_are_the_models_greedy_output(tmp_path):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .features import FeatureStore, FeaturesData
+from .features import FeatureStores, FeaturesData
 from .images import read_image_records, tokenize_image_documents
 from .packing import PackedData
 from .reading import DataError, list_files, read_records
@@ -25,8 +25,8 @@ def build_data(cfg_data, tokenizer, mtp_depth: int, processor=None) -> PackedDat
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     make, common = PackedData, dict(pad_id=pad, min_doc_tokens=mtp_depth + 2)
     if cfg_data.mode == "features":
-        store = FeatureStore(cfg_data.features)
-        docs, vision, files = store.documents(), None, [store.root]
+        store = FeatureStores(cfg_data.features)
+        docs, vision, files = store.documents(), None, store.roots
         make, common = FeaturesData, dict(store=store, pad_token=pad, min_doc_tokens=mtp_depth + 2)
     else:
         docs, vision, files = _read_documents(cfg_data, tokenizer, processor)

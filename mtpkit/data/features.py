@@ -109,17 +109,63 @@ class FeatureStore:
         return out
 
 
+class FeatureStores:
+    """One or more features directories read as one (data.features = [DIR, ...]): e.g. the features kept by
+    successive `mtpkit distill --features` runs, so a head grows on all of them without rebuilding a directory.
+    Row r of part i is global row bases[i] + r; the parts must come from one trunk and store the same kinds."""
+
+    def __init__(self, roots):
+        self.parts = [FeatureStore(r) for r in ([roots] if isinstance(roots, (str, Path)) else roots)]
+        if not self.parts:
+            raise DataError("data.features is an empty list: name at least one `mtpkit features` directory")
+        first = self.parts[0]
+        for part in self.parts[1:]:
+            for what, key in (("another model", "model"), ("another top-k", "topk"),
+                              ("another hidden dtype", "hidden_dtype")):
+                if part.meta[key] != first.meta[key]:
+                    raise DataError(f"data.features: {part.root} was built with {what} than {first.root} "
+                                    f"({part.meta[key]} vs {first.meta[key]}): train on features of one kind")
+        self.roots = [part.root for part in self.parts]
+        self.topk = first.topk
+        self.bases = np.cumsum([0] + [len(p.input_ids) for p in self.parts])
+        if len(self.parts) == 1:  # the fingerprint a run over one directory had before lists existed: resumes match
+            self.records_sha, self.input_ids = first.meta["records_sha"], first.input_ids
+        else:
+            self.records_sha = hashlib.sha256("".join(p.meta["records_sha"] for p in self.parts).encode()).hexdigest()
+            self.input_ids = np.concatenate([p.input_ids for p in self.parts])
+
+    def check_model(self, model) -> None:
+        for part in self.parts:
+            part.check_model(model)
+
+    def documents(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        return [(rows + base, mask) for part, base in zip(self.parts, self.bases) for rows, mask in part.documents()]
+
+    def gather(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
+        if len(self.parts) == 1:
+            return self.parts[0].gather(rows)
+        which = np.searchsorted(self.bases, rows, side="right") - 1
+        out = {}
+        for i in np.unique(which):
+            at = np.nonzero(which == i)[0]
+            for key, value in self.parts[i].gather(rows[at] - self.bases[i]).items():
+                if key not in out:
+                    out[key] = value.new_empty((len(rows), *value.shape[1:]))
+                out[key][torch.from_numpy(at)] = value
+        return out
+
+
 class FeaturesData(PackedData):
     """PackedData over a features directory: documents are row ranges of the store, packed exactly like token
     documents (same shuffling, rows, segment ids); `rows` swaps the row indices for the stored tokens, hidden
     states and top-k."""
 
-    def __init__(self, docs, seq_len: int, *, store: FeatureStore, pad_token: int = 0, **kw):
+    def __init__(self, docs, seq_len: int, *, store: FeatureStores, pad_token: int = 0, **kw):
         self.store, self.pad_token = store, pad_token
         super().__init__(docs, seq_len, pad_id=-1, **kw)
 
     def fingerprint(self) -> str:
-        return hashlib.sha256((super().fingerprint() + self.store.meta["records_sha"]).encode()).hexdigest()[:16]
+        return hashlib.sha256((super().fingerprint() + self.store.records_sha).encode()).hexdigest()[:16]
 
     def target_ids(self) -> np.ndarray:
         ids = self.store.input_ids

@@ -103,7 +103,8 @@ class DataSection:
     # `input_ids` with an optional 0/1 `loss_mask` per token, as `mtpkit distill` writes) | "features" (the
     # trunk's stored hidden states from `mtpkit features`, for mtp.only training without the trunk)
     mode: str = "pretrain"
-    features: str | None = None  # data.mode = "features": the directory `mtpkit features --out` wrote
+    # data.mode = "features": the directory `mtpkit features --out` (or `distill --features`) wrote, or a list of them
+    features: str | list[str] | None = None
     text_field: str = "text"  # JSONL/Parquet column holding the text (pretrain)
     messages_field: str = "messages"  # JSONL/Parquet column holding chat messages (sft)
     text_split: str = "file"  # plain text: one document per "file" | "paragraph" (blank line) | "line"

@@ -14,7 +14,8 @@ import torch
 from train_runs import TINY_LLAMA, make_tokenizer
 
 from mtpkit.checkpoint.hf import build_model, load_model, save_model
-from mtpkit.data.features import FeatureStore, bf16_to_numpy, numpy_to_bf16
+from mtpkit.data.features import FeatureStore, FeatureStores, bf16_to_numpy, numpy_to_bf16
+from mtpkit.data.reading import DataError
 from mtpkit.datasets import features as F
 from mtpkit.datasets.features import build_features
 from mtpkit.train.config import config_from_dict
@@ -174,6 +175,35 @@ def test_training_on_features_takes_the_same_steps_as_with_the_trunk(tiny, tmp_p
     h.flush()
     wrong, _ = _steps(_raw(model_dir, tmp_path / "wrong", mode="features", features=str(shifted)))
     assert abs(wrong[0]["mtp_loss"][0] - online[0]["mtp_loss"][0]) > 1e-3
+
+
+def test_features_of_several_directories_train_as_one_directory(tiny, tmp_path):
+    """data.features = [A, B] (e.g. the features of two distillations) takes the same steps as one directory built
+    over A's and B's records together; directories of another kind are refused in one line."""
+    model_dir, records, tok = tiny
+    lines = records.read_text().splitlines(keepends=True)
+    (tmp_path / "a.jsonl").write_text("".join(lines[:10]))
+    (tmp_path / "b.jsonl").write_text("".join(lines[10:]))
+    trunk, kw = _trunk(model_dir), dict(hidden_dtype="float32", compute="float32", progress=False)
+    for name, recs in (("all", records), ("a", tmp_path / "a.jsonl"), ("b", tmp_path / "b.jsonl")):
+        build_features(trunk, tok, recs, tmp_path / name, **kw)
+    one, one_state = _steps(_raw(model_dir, tmp_path / "one", mode="features", features=str(tmp_path / "all")))
+    parts = [str(tmp_path / "a"), str(tmp_path / "b")]
+    two, two_state = _steps(_raw(model_dir, tmp_path / "two", mode="features", features=parts))
+    for x, y in zip(one, two):
+        assert y["mtp_loss"] == pytest.approx(x["mtp_loss"], rel=1e-6) and y["mtp_acc"] == x["mtp_acc"]
+    assert two[-1]["val_tau_sim"] == pytest.approx(one[-1]["val_tau_sim"], rel=1e-6)
+    for k in one_state:
+        torch.testing.assert_close(two_state[k], one_state[k], rtol=1e-4, atol=1e-6)  # trunk batches differ
+    # power check: the same records with the parts swapped are packed in another order and take other steps
+    swapped, _ = _steps(_raw(model_dir, tmp_path / "swapped", mode="features", features=parts[::-1]))
+    assert swapped[0]["mtp_loss"] != pytest.approx(one[0]["mtp_loss"], rel=1e-6)
+
+    build_features(trunk, tok, tmp_path / "b.jsonl", tmp_path / "b_topk", topk=4, **kw)
+    with pytest.raises(DataError, match="another top-k .*features of one kind"):
+        FeatureStores([tmp_path / "a", tmp_path / "b_topk"])
+    with pytest.raises(DataError, match="empty list"):
+        FeatureStores([])
 
 
 def test_features_mode_needs_mtp_only_and_the_trunk_it_came_from(tiny, tmp_path):

@@ -230,6 +230,34 @@ def _rate(tokens: int, sec: float) -> float:
     return tokens / sec if sec > 0 else 0.0
 
 
+def acceptance_figures(cfg: tuple[int, float, tuple[int, ...], int], stats: list[dict]) -> dict:
+    """A speculative row's (k, draft_min_prob, draft widths, draft_lookup) and its vLLM acceptance figures summed
+    over the `generate` stats of its runs (one per prompt, or per batch of prompts)."""
+    k, min_prob, widths, lookup = cfg
+    most = most_drafts(k, lookup)
+    steps = sum(s["verification_steps"] for s in stats)
+    accepted = sum(s["accepted"] for s in stats)
+    drafted = sum(s["drafted"] for s in stats)
+    return {
+        "draft_tokens": k,
+        "draft_min_prob": min_prob,
+        "draft_widths": list(widths),
+        "draft_lookup": lookup,
+        "context_drafted_share": sum(s["context_drafted_steps"] for s in stats) / max(steps, 1),
+        "verified_tokens_per_step": sum((s["verified_tokens_per_step"] or 0) * s["verification_steps"]
+                                        for s in stats) / max(steps, 1),
+        "accepted_alternatives": sum(s["accepted_alternatives"] for s in stats),
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_acceptance_length": 1 + accepted / steps if steps else 1.0,
+        "accepted_per_position": [sum(s["accepted_per_position"][j] for s in stats) / max(steps, 1)
+                                  for j in range(most)],
+        "drafted_per_step": drafted / steps if steps else 0.0,
+        # share of steps that proposed j = 1..k drafts (the stop distribution)
+        "draft_lengths": [sum(s["draft_lengths"][j] for s in stats) / max(steps, 1) for j in range(most)],
+        "verification_steps": steps,
+    }
+
+
 def summarise(prompts, specs, outputs, median, *, baselines=(), greedy: bool, costs=None, gaps=None) -> dict:
     n = len(prompts)
     base_tokens = [len(outputs[0, i][0]) for i in range(n)]
@@ -237,13 +265,8 @@ def summarise(prompts, specs, outputs, median, *, baselines=(), greedy: bool, co
     runs = []
     for cfg in specs:
         k, min_prob, widths, lookup = cfg
-        most = most_drafts(k, lookup)
         stats = [outputs[cfg, i][1] for i in range(n)]
-        steps = sum(s["verification_steps"] for s in stats)
-        accepted = sum(s["accepted"] for s in stats)
-        drafted = sum(s["drafted"] for s in stats)
-        per_pos = [sum(s["accepted_per_position"][j] for s in stats) / max(steps, 1) for j in range(most)]
-        lengths = [sum(s["draft_lengths"][j] for s in stats) / max(steps, 1) for j in range(most)]
+        figures = acceptance_figures(cfg, stats)
         spec_tokens = [len(outputs[cfg, i][0]) for i in range(n)]
         spec_tps = _rate(sum(spec_tokens), sum(median[cfg, i] for i in range(n)))
         per_prompt = []
@@ -259,26 +282,15 @@ def summarise(prompts, specs, outputs, median, *, baselines=(), greedy: bool, co
                 "identical": outputs[cfg, i][0] == outputs[0, i][0] if greedy else None,
                 "first_difference": (gaps or {}).get((cfg, i)),
             })
+        lengths = figures["draft_lengths"]
         runs.append({
-            "draft_tokens": k,
-            "draft_min_prob": min_prob,
-            "draft_widths": list(widths),
-            "draft_lookup": lookup,
-            "context_drafted_share": sum(s["context_drafted_steps"] for s in stats) / max(steps, 1),
-            "verified_tokens_per_step": sum((s["verified_tokens_per_step"] or 0) * s["verification_steps"]
-                                            for s in stats) / max(steps, 1),
-            "accepted_alternatives": sum(s["accepted_alternatives"] for s in stats),
+            **figures,
             "prompts": n,
             "baseline_tokens_per_s": base_tps,
             "spec_tokens_per_s": spec_tps,
             "speedup": spec_tps / base_tps if base_tps else 0.0,
-            "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "mean_acceptance_length": 1 + accepted / steps if steps else 1.0,
-            "accepted_per_position": per_pos,
-            "drafted_per_step": drafted / steps if steps else 0.0,
-            "draft_lengths": lengths,  # share of steps that proposed j = 1..k drafts (the stop distribution)
             # a step's drafting cost depends on where its drafts came from, which the stop distribution does not say
-            "break_even": break_even(costs, lengths, widths) if costs and steps and not lookup else None,
+            "break_even": break_even(costs, lengths, widths) if costs and any(lengths) and not lookup else None,
             "identical": all(pp["identical"] for pp in per_prompt) if greedy else None,
             "identical_prompts": sum(bool(pp["identical"]) for pp in per_prompt),
             "per_prompt": per_prompt,

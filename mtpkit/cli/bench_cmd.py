@@ -50,9 +50,17 @@ def add_parser(sub) -> None:
                    help="weights and activations (default: float32, or bfloat16 with --quantize int8)")
     p.add_argument("--quantize", choices=["int8"], help="int8 weights, one scale per output channel, bfloat16 "
                                                         "activations (the baselines stay unquantised)")
+    p.add_argument("--acceptance-only", action="store_true",
+                   help="measure acceptance only: each row decodes every prompt once, --batch-size at a time, no "
+                        "plain runs and no timing (to compare heads quickly; mtpkit/bench/acceptance.py)")
+    p.add_argument("--batch-size", type=int, default=16, help="prompts decoded together with --acceptance-only")
     p.add_argument("--out", help="also write the report to this file")
     p.add_argument("--json", help="write the figures as JSON")
     p.add_argument("--plot", help="draw acceptance per position and speedup per k to this PNG")
+
+
+# what `run_acceptance` takes of the timed benchmark's settings
+ACCEPTANCE_KEYS = ("num_tokens", "ks", "min_probs", "widths", "lookups", "lookup_ngram", "temperature", "eos_token_id")
 
 
 def numbers(text: str, kind, flag: str) -> list:
@@ -66,6 +74,7 @@ def run(args) -> int:
     import torch
 
     from ..assets import default_gguf_path
+    from ..bench.acceptance import render_acceptance, run_acceptance
     from ..bench.contexts import context_prompts, python_docs, read_documents
     from ..bench.hf_baseline import load_hf_baseline
     from ..bench.report import label, plot, render, render_contexts
@@ -102,6 +111,10 @@ def run(args) -> int:
         raise ValueError("--repeats and --num-tokens must be >= 1, --limit and --step-repeats >= 0")
     if args.prompt_lookup_tokens < 1:
         raise ValueError(f"--prompt-lookup-tokens must be >= 1, not {args.prompt_lookup_tokens}")
+    if args.acceptance_only and (baselines or lengths or args.plot):
+        raise ValueError("--acceptance-only measures no speed: drop --baseline, --context-lengths and --plot")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, not {args.batch_size}")
     dtype = model_dtype(args.dtype, args.quantize)
     path = Path(args.model) if args.model else default_gguf_path()
     prompts = [] if lengths else read_prompts(args.prompts or resource(DEFAULT_PROMPTS))[: args.limit or None]
@@ -124,7 +137,11 @@ def run(args) -> int:
                  lookup_ngram=ngram, temperature=args.temperature,
                  repeats=args.repeats, eos_token_id=tokenizer.eos_token_id, hf_model=hf, baselines=baselines,
                  prompt_lookup=args.prompt_lookup_tokens, step_repeats=args.step_repeats)
-    if lengths:
+    if args.acceptance_only:
+        prompts = encode_prompts(prompts, tokenizer, model, load_processor(path) if vision else None)
+        report = run_acceptance(model.eval(), prompts, batch_size=args.batch_size,
+                                **{k: v for k, v in bench.items() if k in ACCEPTANCE_KEYS})
+    elif lengths:
         docs = read_documents(args.context_docs) if args.context_docs else python_docs()
         by_length = context_prompts(docs, tokenizer, lengths, args.limit)
         report = {"contexts": [dict(context_tokens=n, **run_bench(model.eval(), by_length[n], **bench))
@@ -139,7 +156,9 @@ def run(args) -> int:
                   threads=torch.get_num_threads(),
                   num_tokens=args.num_tokens, repeats=args.repeats, temperature=args.temperature,
                   mtp_head=Path(head).name if head else "(checkpoint's own)")  # names only: no local paths
-    if lengths:
+    if args.acceptance_only:
+        text = render_acceptance(report)
+    elif lengths:
         text = render_contexts(report)
     else:
         text = render(report, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
@@ -151,7 +170,7 @@ def run(args) -> int:
     if args.plot:
         plot(report, args.plot)
     runs = [r for c in report.get("contexts", [report]) for r in c["runs"]]
-    failed = sorted({label(r) for r in runs if r["identical"] is False})
+    failed = sorted({label(r) for r in runs if r.get("identical") is False})
     if failed:
         print(f"mtpkit bench: error: speculative output differed from plain decoding at {', '.join(failed)}")
         return 1

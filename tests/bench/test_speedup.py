@@ -14,7 +14,7 @@ import mtpkit
 from mtpkit.bench import speedup
 from mtpkit.bench.contexts import context_prompts, python_docs
 from mtpkit.bench.decode_step import cache_evictor, median_ms
-from mtpkit.bench.report import plot, render, render_contexts
+from mtpkit.bench.report import label, plot, render, render_contexts
 from mtpkit.bench.speedup import Prompt, break_even, load_prompts, run_bench
 from mtpkit.cli import main
 
@@ -280,3 +280,33 @@ def test_a_differing_output_is_reported_with_the_plain_models_top2_gap(model):
     assert list(gaps) == [((1, 0.0), 0)]
     d = gaps[(1, 0.0), 0]
     assert d["position"] == 2 and d["other_is_top2"] and d["top2_gap"] == pytest.approx(float(top[0] - top[1]))
+
+
+def test_bench_acceptance_only_equals_the_timed_rows_figures(llama_dir, tmp_path, capsys):
+    """--acceptance-only decodes the prompts in batches, untimed: its acceptance figures equal the timed
+    benchmark's (one prompt at a time), with the tokens kept per verification step for each prompt kind."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"t{(i * n) % 9 + 1}" for i in range(n)),
+                                           "kind": "even" if n % 2 == 0 else "odd"}) + "\n" for n in (3, 6, 8, 11, 14)))
+    common = ["bench", "--model", str(llama_dir), "--prompts", str(prompts), "--num-tokens", "10",
+              "--draft-tokens", "0,1,2", "--draft-lookup", "0,3"]
+    assert main([*common, "--repeats", "1", "--step-repeats", "0", "--json", str(tmp_path / "timed.json")]) == 0
+    assert main([*common, "--acceptance-only", "--batch-size", "2", "--json", str(tmp_path / "acc.json")]) == 0
+    timed = json.loads((tmp_path / "timed.json").read_text())["runs"]
+    fast = json.loads((tmp_path / "acc.json").read_text())["runs"]
+    assert [label(r) for r in fast] == [label(r) for r in timed] == ["k=0 lookup=3", "k=1", "k=1 lookup=3", "k=2",
+                                                                     "k=2 lookup=3"]
+    for a, b in zip(fast, timed):
+        for key in ("acceptance_rate", "mean_acceptance_length", "accepted_per_position", "draft_lengths",
+                    "context_drafted_share"):
+            assert a[key] == pytest.approx(b[key]), (label(a), key)
+        # tokens kept per step: at most the accepted drafts plus one (fewer where max_new_tokens cuts a step)
+        # a kind none of whose steps was speculative (no context match, no head) has no entry
+        assert set(a["per_kind"]) == ({"even", "odd"} if a["draft_tokens"] else {"even"})
+        assert all(1 <= v <= 1 + len(a["draft_lengths"]) for v in a["per_kind"].values())
+        assert "speedup" not in a
+    assert any(r["mean_acceptance_length"] > 1.2 for r in fast)  # the lookup rows accept: the figures are not all 0
+    out = capsys.readouterr().out
+    assert "MTP acceptance (no timing)" in out and "decoded 2 at a time" in out
+    assert main([*common, "--acceptance-only", "--baseline", "hf"]) == 2
+    assert "--acceptance-only measures no speed" in capsys.readouterr().err

@@ -3,8 +3,9 @@
 Comparing heads (or a head on a user's own prompts) needs the acceptance figures, not the speed: each speculative
 row decodes every prompt once, many prompts per batch (`generate` batches rows of any length), with no plain runs,
 warm-up or repeats (20 held-out prompts, 4 rows: 193 s on the 2-core EPYC, where the timed benchmark of 5 rows
-took 10 minutes). The figures are the timed benchmark's (vLLM's, summed over the prompts: `speedup.acceptance_figures`) plus the mean tokens kept per
-verification step for each prompt kind, since heads differ most between kinds of text.
+took 10 minutes). The figures are the timed benchmark's (vLLM's, summed over the prompts:
+`speedup.acceptance_figures`) plus the mean tokens kept per verification step for each prompt kind, since heads
+differ most between kinds of text.
 """
 
 from __future__ import annotations

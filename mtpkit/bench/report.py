@@ -171,18 +171,20 @@ def plot(report: dict, path) -> Path:
     if "contexts" in report:
         return plot_contexts(report, path)
     runs = report["runs"]
-    fig, (a, b) = _pyplot().subplots(1, 2, figsize=(10, 4))
+    fig, (a, b) = _pyplot().subplots(1, 2, figsize=(12, 4.5))
     for r in runs:
         a.plot(range(1, len(r["accepted_per_position"]) + 1), r["accepted_per_position"], marker="o", label=label(r))
     a.set(xlabel="draft position", ylabel="acceptance (per verification step)", ylim=(0, 1), title="Acceptance",
           xticks=range(1, max(len(r["accepted_per_position"]) for r in runs) + 1))
-    a.legend()
-    b.bar([label(r) for r in runs], [r["speedup"] for r in runs], color="tab:green")
-    b.axhline(1.0, color="gray", lw=1)
-    b.set(xlabel="draft tokens k (p: draft_min_prob, w: draft tree widths, lookup: context drafts)",
-          ylabel="speedup over plain decoding",
-          title="Speedup")
-    b.tick_params(axis="x", labelrotation=30 if len(runs) > 4 else 0)
+    a.legend(fontsize="small")
+    # horizontal bars: row labels such as "k=3 w=3 lookup=4" stay readable however many rows there are
+    labels, speedups = [label(r) for r in runs][::-1], [r["speedup"] for r in runs][::-1]
+    b.barh(labels, speedups, color="tab:green")
+    for y, v in enumerate(speedups):
+        b.text(v, y, f" {v:.2f}x", va="center", fontsize="small")
+    b.axvline(1.0, color="gray", lw=1)
+    b.set(xlabel="speedup (w: draft tree widths, p: draft_min_prob, lookup: context drafts)",
+          xlim=(0, max(speedups) * 1.15), title="Speedup over plain decoding")
     fig.suptitle(f"{report['model']}, {report['num_tokens']} tokens, {report['dtype']}, {report['device']}")
     return _save(fig, path)
 

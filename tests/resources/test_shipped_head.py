@@ -1,7 +1,7 @@
 """The MTP head shipped for SmolLM2-135M-Instruct is really trained: on held-back text (the model's own greedy
 continuations of generated prompts that were not in its training data: everyday chat, prose, lists and code) its
-teacher-forced top-1 accuracy for token i+2 is >= 0.42 (it scores 0.443, the head it grew from 0.429, an earlier
-one 0.29), where a random head, or the right head with the fc halves swapped, scores below 0.2."""
+teacher-forced top-1 accuracy for token i+2 is >= 0.45 (it scores 0.461, the heads it grew from 0.443 and 0.429, an
+earlier one 0.29), where a random head, or the right head with the fc halves swapped, scores below 0.2."""
 
 import pytest
 import torch
@@ -18,7 +18,7 @@ from mtpkit.cli.distill_cmd import distill_words
 pytestmark = pytest.mark.slow
 
 TRAIN_PROMPTS, TRAIN_SEED = 12000, 0  # configs/smollm2_mtp_head.toml's distillation
-GROW_PROMPTS, GROW_SEED, GROW_WORD_SHARE = 7000, 32, 0.35  # and the one the head grew on (warm start)
+GROWN_ON = [(7000, 32, 0.35), (8000, 33, 0.35)]  # and those the head grew on (warm starts): prompts, seed, word share
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,8 @@ def held_back(smollm2_gguf):
     texts = shakespeare_texts(cache_dir() / "shakespeare")
     words = distill_words(tok)
     seen = {p.get("prompt") for p in build_prompts(TRAIN_PROMPTS, TRAIN_SEED, texts)}
-    seen |= {p.get("prompt") for p in build_prompts(GROW_PROMPTS, GROW_SEED, texts, words, GROW_WORD_SHARE)}
+    for n, seed, word_share in GROWN_ON:
+        seen |= {p.get("prompt") for p in build_prompts(n, seed, texts, words, word_share)}
     prompts = [p for p in build_prompts(400, 777) if p.get("prompt") not in seen and "ask" not in p][:12]
     assert len(prompts) == 12
     ids = [encode_prompt(tok, p["prompt"], p["chat"]) for p in prompts]
@@ -56,7 +57,7 @@ def test_shipped_head_is_trained(held_back):
     load_mtp_head(model, resource(DEFAULT_HEAD))
     assert model.config.mtp_num_hidden_layers == 1
     acc = accuracy_i2(model, samples)
-    assert acc >= 0.42, acc
+    assert acc >= 0.45, acc
 
 
 def test_the_check_has_power(held_back):

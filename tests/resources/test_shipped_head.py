@@ -18,7 +18,8 @@ from mtpkit.cli.distill_cmd import distill_words
 pytestmark = pytest.mark.slow
 
 TRAIN_PROMPTS, TRAIN_SEED = 12000, 0  # configs/smollm2_mtp_head.toml's distillation
-GROWN_ON = [(7000, 32, 0.35), (8000, 33, 0.35), (8000, 34, 0.35)]  # and those the head grew on (warm starts): prompts, seed, word share
+# and the distillations the head grew on (warm starts): prompts, seed, word share
+GROWN_ON = [(7000, 32, 0.35), (8000, 33, 0.35), (8000, 34, 0.35)]
 
 
 @pytest.fixture(scope="module")

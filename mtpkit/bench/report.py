@@ -49,16 +49,18 @@ def _table(runs: list[dict], mark: dict) -> list[str]:
     width = max(len(label(r)) for r in runs)
     head = (f"  {'row':<{width}}" + (f" {'verified':>8}" if trees else "") + (f" {'looked up':>9}" if looked else "")
             + f" {'base t/s':>9} {'spec t/s':>9} {'speedup':>8} "
-            f"{'accept':>7} {'mean len':>9} {'break-even':>11}" + (f" {'drafts/step':>12}" if gated else "")
+            f"{'accept':>7} {'mean len':>9} {'break-even':>11} {'realised':>9}"
+            + (f" {'drafts/step':>12}" if gated else "")
             + "  per-position acceptance   output")
     lines = [head, "  " + "-" * (len(head) - 2)]
     for r in runs:
         pos = " ".join(f"{a:.2f}" for a in r["accepted_per_position"])
         be = "-" if r.get("break_even") is None else f"{r['break_even']:.2f}"
+        real = "-" if r.get("realised_break_even") is None else f"{r['realised_break_even']:.2f}"
         lines.append(f"  {label(r):<{width}}" + (f" {r['verified_tokens_per_step']:>8.2f}" if trees else "")
                      + (f" {r.get('context_drafted_share', 0):>9.0%}" if looked else "")
                      + f" {r['baseline_tokens_per_s']:>9.1f} {r['spec_tokens_per_s']:>9.1f} {r['speedup']:>7.2f}× "
-                     f"{r['acceptance_rate']:>6.0%} {r['mean_acceptance_length']:>9.2f} {be:>11}"
+                     f"{r['acceptance_rate']:>6.0%} {r['mean_acceptance_length']:>9.2f} {be:>11} {real:>9}"
                      + (f" {r['drafted_per_step']:>12.2f}" if gated else "") + f"  {pos:<24} "
                      + (f"✗ {r['identical_prompts']}/{r['prompts']} identical" if r["identical"] is False
                         else mark[r["identical"]]))
@@ -106,7 +108,8 @@ def render(report: dict, decode, samples: int = 4) -> str:
     ]
     lines += _baseline_lines(report, best)
     lines += ["", "  Per draft length (break-even: the mean acceptance length at which speculation pays, from timed "
-              "step costs;", "  w: a draft tree's tokens per draft position, verified: tokens per verify forward)",
+              "step costs;", "  realised: mean len / speedup, what a step cost in plain steps in these runs;",
+              "  w: a draft tree's tokens per draft position, verified: tokens per verify forward)",
               *_table(runs, mark)]
     lines += _difference_lines(report)
     lines += ["", f"  Sample generations ({label(best)}; plain and speculative produce the same text)",

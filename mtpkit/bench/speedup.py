@@ -180,6 +180,10 @@ def run_bench(model, prompts: list[Prompt], *, num_tokens: int, ks: list[int], m
 
     for cfg in configs:  # warm-up: first-call allocations and lazy initialisation stay out of the timings
         once(cfg, prompts[0])
+    # the decode router times its candidates the first time it sees a row count, and a prefill of up to 16 tokens is
+    # one: each other prompt length's prefill runs once here, or the first timed run of that length pays for it
+    for p in {len(p.ids): p for p in prompts[1:]}.values():
+        generate(model, [p.inputs or p.ids], max_new_tokens=1, eos_token_id=eos_token_id)
     seconds = {(cfg, i): [] for cfg in configs for i in range(len(prompts))}
     outputs = {}
     bar = tqdm(total=repeats * len(prompts) * len(configs), desc="bench", unit="run", disable=not progress)
@@ -291,6 +295,9 @@ def summarise(prompts, specs, outputs, median, *, baselines=(), greedy: bool, co
             "speedup": spec_tps / base_tps if base_tps else 0.0,
             # a step's drafting cost depends on where its drafts came from, which the stop distribution does not say
             "break_even": break_even(costs, lengths, widths) if costs and any(lengths) and not lookup else None,
+            # what a step cost in plain steps in these very runs: steadier than break_even, whose step costs are
+            # timed apart, with fewer repeats (docs/MTP.md section 6: ~20% jitter on the 2-core VM)
+            "realised_break_even": figures["mean_acceptance_length"] * base_tps / spec_tps if spec_tps else None,
             "identical": all(pp["identical"] for pp in per_prompt) if greedy else None,
             "identical_prompts": sum(bool(pp["identical"]) for pp in per_prompt),
             "per_prompt": per_prompt,

@@ -38,8 +38,8 @@ from ..kernels import decode_layer, thin_matmul
 from ..kernels.linear import Linear
 from .cache import KVCache
 
-MAX_ROWS = 8  # wider products (batched generation, prefill) are compute-bound: F.linear
-PADS = (2, 4, 8)
+MAX_ROWS = 16  # wider products (large batches, prefill) are compute-bound: F.linear
+PADS = (2, 4, 8, 16)
 THIN = {f"thin{b}": b for b in thin_matmul.BLOCKS}  # the thin kernel's candidates -> weight rows per pass
 
 

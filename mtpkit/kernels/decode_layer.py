@@ -1,6 +1,6 @@
 """A whole decoder layer of a decode or verify step as one C++ op (csrc/decode_layer.cpp), for fp32 on AVX2 CPUs.
 
-Why: with the products streamed by the thin kernel, the rest of a 1-8-row step (two norms, rotary, the cache write,
+Why: with the products streamed by the thin kernel, the rest of a 1-16-row step (two norms, rotary, the cache write,
 attention, SiLU, residual adds: ~20 torch ops and ~10 module calls per layer) cost ~25 ms of a ~60 ms SmolLM2-135M
 step on a 2-core AVX2 EPYC, each op a few microseconds of arithmetic behind its dispatch. The op does that
 arithmetic in plain loops around the same thin products. torch.compile was tried first: compiling each layer
@@ -81,7 +81,7 @@ def layer_weights(layer) -> LayerWeights:
 def decode_layer(weights: LayerWeights, blocks: tuple[int, ...], x: torch.Tensor,
                  rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, kv_cache,
                  slots: torch.Tensor) -> torch.Tensor:
-    """`layer(x, ctx, kv_cache)` for x [B, T, H] with B * T <= 8 rows, given `layer_weights(layer)`: rope = (cos,
+    """`layer(x, ctx, kv_cache)` for x [B, T, H] with B * T <= 16 rows, given `layer_weights(layer)`: rope = (cos,
     sin) [B, T, r], the additive mask [B, 1, T, S] over the first S cache slots, slots [B, T] where this step's
     K/V go; blocks: the thin kernel's weight rows per pass (thin_matmul.BLOCKS) for each of `weights.products()`."""
     if not thin_matmul.available():

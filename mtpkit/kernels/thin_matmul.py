@@ -1,7 +1,7 @@
 """Thin fp32 products on x86 CPUs with AVX2 and FMA: a small C++ kernel (csrc/thin_product.h, the op in
 csrc/thin_matmul.cpp), built on first use together with the fused decoder layer that reuses it (decode_layer.py).
 
-Why hand-written: a decode or verify step multiplies each weight by 1 to 8 rows, so it should stream the weights at
+Why hand-written: a decode or verify step multiplies each weight by 1 to 16 rows, so it should stream the weights at
 the memory's read bandwidth. Measured on a 2-core AVX2-only AMD EPYC (torch 2.13, read bandwidth 16 GB/s), every
 library path we could reach streamed far below it: `F.linear` (MKL) 6-7 GB/s with one row and 2.5-4 GB/s with
 4-8, oneDNN through torch 5-11, numpy's OpenBLAS 4-15, MKL's packed GEMM no better than `F.linear`; only fbgemm's
@@ -28,7 +28,7 @@ import torch
 
 # one extension, op namespace mtpkit_cpu: the thin product and the fused decoder layer built on it (decode_layer.py)
 SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("thin_matmul.cpp", "decode_layer.cpp")]
-MAX_ROWS = 8
+MAX_ROWS = 16  # csrc/thin_product.h kMaxRows: more than 8 rows run as groups of at most 8
 BLOCKS = (1, 2, 4)  # weight rows per pass that share each load of x; the fastest depends on the rows and the CPU
 
 
@@ -69,7 +69,7 @@ def available() -> bool:
 
 
 def thin_linear(x: torch.Tensor, weight: torch.Tensor, block: int) -> torch.Tensor:
-    """x [..., K] (at most 8 fp32 rows) @ weight [N, K]^T -> [..., N] in fp32 on CPU, for an fp32 or bf16 weight
+    """x [..., K] (at most MAX_ROWS fp32 rows) @ weight [N, K]^T -> [..., N] in fp32 on CPU, for an fp32 or bf16 weight
     (read as the fp32 values it holds), `block` (one of BLOCKS) weight rows per pass."""
     if not available():
         raise RuntimeError("the thin matmul kernel is not available on this machine (see the warning above)")

@@ -44,6 +44,7 @@ def test_run_bench_figures(model, tmp_path):
         # mean acceptance length = 1 + sum of per-position acceptance (vLLM's definitions agree)
         assert r["mean_acceptance_length"] == pytest.approx(1 + sum(r["accepted_per_position"]))
         assert r["speedup"] == pytest.approx(r["spec_tokens_per_s"] / r["baseline_tokens_per_s"])
+        assert r["realised_break_even"] == pytest.approx(r["mean_acceptance_length"] / r["speedup"])
         assert sum(r["draft_lengths"]) == pytest.approx(1)
         assert r["drafted_per_step"] == pytest.approx(sum(j * f for j, f in enumerate(r["draft_lengths"], 1)))
     k3, gated = report["runs"][1:]
@@ -51,7 +52,8 @@ def test_run_bench_figures(model, tmp_path):
     assert k3["break_even"] == pytest.approx((costs[3]["verify"] + costs[3]["draft"]) / costs[3]["decode"])
     report.update(model="tiny", device="cpu", dtype="float32", threads=1, num_tokens=12, repeats=2, temperature=0.0)
     text = render(report, lambda ids: " ".join(map(str, ids)))
-    assert "✓ identical" in text and "OVERALL" in text and "break-even" in text and "drafts/step" in text
+    assert "✓ identical" in text and "OVERALL" in text and "break-even" in text and "realised" in text
+    assert "drafts/step" in text
     assert plot(report, tmp_path / "b.png").stat().st_size > 1000
 
 

@@ -50,7 +50,7 @@ def fused(layer, *args, blocks=(4, 2, 1, 4, 2, 1, 4)):
     return decode_layer.decode_layer(decode_layer.layer_weights(layer), blocks, *args)
 
 
-@pytest.mark.parametrize("B,T", [(1, 1), (2, 1), (1, 4), (2, 4), (1, 8)])
+@pytest.mark.parametrize("B,T", [(1, 1), (2, 1), (1, 4), (2, 4), (1, 8), (1, 10), (2, 8)])
 @pytest.mark.parametrize("which", ["trunk", "mtp"])
 def test_equals_the_modules(model, B, T, which):
     layer = model.model.layers[0] if which == "trunk" else model.mtp.layers[0]
@@ -101,8 +101,9 @@ def test_which_layers_it_takes(tmp_path):
 def test_bad_calls_are_refused(model):
     layer = model.model.layers[0]
     x, ctx, kv = _step(model, layer, 1, 1)
-    with pytest.raises(RuntimeError, match="1 to 8 rows"):
-        fused(layer, x.expand(1, 9, -1), ctx.rope, ctx.mask.expand(1, 1, 9, -1), kv, ctx.cache_positions.expand(1, 9))
+    with pytest.raises(RuntimeError, match="1 to 16 rows"):
+        fused(layer, x.expand(1, 17, -1), ctx.rope, ctx.mask.expand(1, 1, 17, -1), kv,
+              ctx.cache_positions.expand(1, 17))
     with pytest.raises(RuntimeError, match="weight shapes do not match"):
         fused(layer, torch.randn(1, 1, x.shape[-1] + 8), ctx.rope, ctx.mask, kv, ctx.cache_positions)
     k0 = kv.k.clone()
@@ -132,7 +133,8 @@ def test_decoding_goes_through_it(model, one_thread):
             n = len(calls)
             assert mtpkit.generate(model, prompts, max_new_tokens=12).tokens == plain.tokens
             assert len(calls) == n
-        assert {2, 8} <= {args[2].numel() // args[2].shape[-1] for args in calls}  # decode and verify, both rows
+        # decode, verify, and the tree's 2 x 5 rows (over 8: groups of 8 in the thin products)
+        assert {2, 8, 10} <= {args[2].numel() // args[2].shape[-1] for args in calls}
         assert_greedy_is_full_forward_argmax(model, prompts, plain.tokens)
         assert spec.tokens == plain.tokens and tree.tokens == plain.tokens
     finally:

@@ -28,7 +28,7 @@ def test_equals_f_linear(threads):
         for inner in (8, 37, 576):  # 37: a tail after the 8-wide vectors
             for outer in (1, 3, 5, 130, 1001):  # remainders of the 2- and 4-column blocks and of a thread's share
                 w = torch.randn(outer, inner, generator=g)
-                for rows in range(1, 9):
+                for rows in range(1, thin_matmul.MAX_ROWS + 1):  # over 8: groups of at most 8 rows
                     x = torch.randn(rows, inner, generator=g)
                     ref = torch.nn.functional.linear(x.double(), w.double()).float()
                     for block in thin_matmul.BLOCKS:
@@ -40,14 +40,28 @@ def test_equals_f_linear(threads):
 
 
 @needs_kernel
+def test_a_row_is_the_same_alone_or_among_up_to_16_rows():
+    """Over 8 rows the kernel runs groups of at most 8 over tiles of weight rows; each output is still the same sum
+    in the same order, so every row equals that row computed alone, bit for bit (a verify step's token does not
+    depend on how many others share the step)."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(1001, 37, generator=g)
+    x = torch.randn(thin_matmul.MAX_ROWS, 37, generator=g)
+    for block in thin_matmul.BLOCKS:
+        alone = torch.cat([thin_matmul.thin_linear(row[None], w, block) for row in x])
+        for rows in (9, 12, 16):
+            assert torch.equal(thin_matmul.thin_linear(x[:rows], w, block), alone[:rows])
+
+
+@needs_kernel
 def test_strided_and_batched_input_and_bad_calls():
     w = torch.randn(40, 16)
     x = torch.randn(16, 3).T  # a transposed view: made contiguous
     torch.testing.assert_close(thin_matmul.thin_linear(x, w, 4), x @ w.T)
     x = torch.randn(2, 3, 16)  # [B, T, K] -> [B, T, N], as the router passes a step's activations
     torch.testing.assert_close(thin_matmul.thin_linear(x, w, 2), x @ w.T)
-    with pytest.raises(RuntimeError, match="1 to 8 rows"):
-        thin_matmul.thin_linear(torch.randn(3, 3, 16), w, 1)
+    with pytest.raises(RuntimeError, match="1 to 16 rows"):
+        thin_matmul.thin_linear(torch.randn(17, 16), w, 1)
     with pytest.raises(RuntimeError, match="fp32 x and fp32 or bf16 weights only"):
         thin_matmul.thin_linear(torch.randn(2, 16).bfloat16(), w.bfloat16(), 1)
     with pytest.raises(RuntimeError, match="fp32 x and fp32 or bf16 weights only"):
@@ -63,7 +77,7 @@ def test_bf16_weights_give_the_fp32_products_bit_for_bit():
     for inner in (8, 37, 576):
         for outer in (1, 5, 130):
             w = torch.randn(outer, inner, generator=g).bfloat16()
-            for rows in range(1, 9):
+            for rows in range(1, thin_matmul.MAX_ROWS + 1):
                 x = torch.randn(rows, inner, generator=g)
                 for block in thin_matmul.BLOCKS:
                     same = thin_matmul.thin_linear(x, w.float(), block)
@@ -104,12 +118,13 @@ def test_decoding_through_it_equals_a_full_forward(name, tmp_path, one_thread):
     save_hf(ref, tmp_path / name, mtp_tensors=random_mtp_tensors(ref))
     model = mtpkit.load_model(tmp_path / name)
     routing.router_for(model).force = ("thin2", 1)  # every thin product through the kernel (widened to the rows)
-    prompts = [[1, 5, 9, 30, 2], [7, 3]]  # a batch of two: decode 2 rows, verify 2 (k + 1) rows
+    prompts = [[1, 5, 9, 30, 2], [7, 3]]  # a batch of two: decode 2 rows, verify 2 (k + 1) rows, a tree 2 x 5
     with pytest.MonkeyPatch.context() as mp:
         calls = record_calls(mp, thin_matmul, "thin_linear")
         plain = mtpkit.generate(model, prompts, max_new_tokens=12)
         specs = {k: mtpkit.generate(model, prompts, max_new_tokens=12, draft_tokens=k) for k in (1, 3)}
-    assert {x.numel() // x.shape[-1] for x, _, _ in calls} >= {2, 4, 8}  # decode and verify rows both went through it
+        specs["tree"] = mtpkit.generate(model, prompts, max_new_tokens=12, draft_tokens=2, draft_widths=[3])
+    assert {x.numel() // x.shape[-1] for x, _, _ in calls} >= {2, 4, 8, 10}  # decode and verify rows went through it
     assert_greedy_is_full_forward_argmax(model, prompts, plain.tokens)
     assert all(s.tokens == plain.tokens for s in specs.values())
 

@@ -1,4 +1,4 @@
-// One pre-norm decoder layer (Llama / Qwen2 / Qwen3 attention + SwiGLU MLP) over the 1 to 8 rows of a decode or
+// One pre-norm decoder layer (Llama / Qwen2 / Qwen3 attention + SwiGLU MLP) over the 1 to 16 rows of a decode or
 // verify step, in fp32 on CPU, as one op (product weights fp32, or bf16 where the decode router streams exact
 // bf16 copies of them: thin_product.h).
 //
@@ -92,7 +92,7 @@ at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& input_norm, co
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "decode_layer: x must be an fp32 CPU tensor [B, T, H]");
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T;
-  TORCH_CHECK(M >= 1 && M <= 8, "decode_layer: 1 to 8 rows (B * T), got ", M);
+  TORCH_CHECK(M >= 1 && M <= mtpkit::kMaxRows, "decode_layer: 1 to ", mtpkit::kMaxRows, " rows (B * T), got ", M);
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == B,
               "decode_layer: K/V caches must be contiguous [B, L, n_kv, D]");

@@ -1,4 +1,4 @@
-// y[..., N] = x[..., K] @ w[N, K]^T for 1 to 8 fp32 rows of x (decode and verify steps) and fp32 or bf16 weights
+// y[..., N] = x[..., K] @ w[N, K]^T for 1 to 16 fp32 rows of x (decode and verify steps) and fp32 or bf16 weights
 // (fp32 arithmetic), AVX2 + FMA, `block` weight rows per pass; the product itself is in thin_product.h.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -18,7 +18,7 @@ at::Tensor thin_linear(const at::Tensor& x, const at::Tensor& w, int64_t block) 
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "thin_linear: CPU tensors only");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "thin_linear: contiguous tensors only");
   const int64_t K = w.size(1), M = K ? x.numel() / K : 0;
-  TORCH_CHECK(M >= 1 && M <= 8, "thin_linear: 1 to 8 rows, got ", M);
+  TORCH_CHECK(M >= 1 && M <= mtpkit::kMaxRows, "thin_linear: 1 to ", mtpkit::kMaxRows, " rows, got ", M);
   TORCH_CHECK(mtpkit::valid_block(block), "thin_linear: block is 1, 2 or 4 weight rows per pass, got ", block);
   std::vector<int64_t> shape = x.sizes().vec();  // [..., K] -> [..., N]: the caller needs no reshape
   shape.back() = w.size(0);

@@ -1,4 +1,4 @@
-// Thin products y[M, N] = x[M, K] @ w[N, K]^T for M = 1 to 8 fp32 rows, AVX2 + FMA: shared by thin_linear
+// Thin products y[M, N] = x[M, K] @ w[N, K]^T for M = 1 to 16 fp32 rows, AVX2 + FMA: shared by thin_linear
 // (thin_matmul.cpp) and the fused decoder layer (decode_layer.cpp).
 //
 // A thin product reads each weight once and multiplies it by only M rows, so it is bound by how fast the weights
@@ -10,6 +10,11 @@
 // (4 rows 1.07x the time of 1 row, against 1.19x with R = 1), R = 2 for 6-7 (1.16x against 1.30x); at 8 rows
 // R = 1 and 2 tie (1.35x) and R = 4 spills its 32 accumulators (1.77x).
 //
+// More than 8 rows (a wide draft tree, a batch of verify steps) run as groups of at most 8 rows over tiles of
+// kTile weight rows: more accumulators per weight row would spill AVX2's 16 registers, and a tile stays in L2
+// between its groups, so the weights still stream from memory once. Each output is the same sum in the same
+// order whatever the row count or group: a row's products do not depend on the other rows.
+//
 // The weights are fp32, or bf16 where every fp32 weight value is exactly a bf16 (a bf16 checkpoint run in fp32): a
 // bf16 value is the top half of its fp32, so widening it gives the same fp32 weight, the same products in the
 // same order, from half the bytes.
@@ -19,6 +24,7 @@
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -74,36 +80,49 @@ template <int M, int R, typename W>
   }
 }
 
-template <int M, int R, typename W>
-inline void product(const float* x, const W* w, float* y, int64_t N, int64_t K) {
-  // grain: at least 64 weight rows per thread, so a small weight is not split into slivers
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) { columns<M, R>(x, w, y, N, K, n0, n1); });
-}
+constexpr int64_t kMaxRows = 16;
+constexpr int64_t kTile = 16;  // weight rows per tile of a product over more than 8 rows: a multiple of every R
+
+template <typename W>
+using Columns = void (*)(const float*, const W*, float*, int64_t, int64_t, int64_t, int64_t);
 
 inline bool valid_block(int64_t block) { return block == 1 || block == 2 || block == 4; }
 
 template <int M, typename W>
-inline void product_rows(const float* x, const W* w, float* y, int64_t N, int64_t K, int64_t block) {
-  switch (block) {
-    case 1: product<M, 1>(x, w, y, N, K); break;
-    case 2: product<M, 2>(x, w, y, N, K); break;
-    default: product<M, 4>(x, w, y, N, K); break;
+Columns<W> columns_of_block(int64_t block) {
+  return block == 1 ? &columns<M, 1, W> : block == 2 ? &columns<M, 2, W> : &columns<M, 4, W>;
+}
+
+// columns<M, R> for M = 1..8 rows, R = `block`
+template <typename W>
+Columns<W> columns_for(int64_t M, int64_t block) {
+  switch (M) {
+    case 1: return columns_of_block<1, W>(block);
+    case 2: return columns_of_block<2, W>(block);
+    case 3: return columns_of_block<3, W>(block);
+    case 4: return columns_of_block<4, W>(block);
+    case 5: return columns_of_block<5, W>(block);
+    case 6: return columns_of_block<6, W>(block);
+    case 7: return columns_of_block<7, W>(block);
+    default: return columns_of_block<8, W>(block);
   }
 }
 
-// the product for M = 1..8 rows, `block` = R weight rows per pass (the caller checks M and valid_block)
+// the product for M = 1..kMaxRows rows, `block` = R weight rows per pass (the caller checks M and valid_block)
 template <typename W>
 inline void thin_product(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K, int64_t block) {
-  switch (M) {
-    case 1: product_rows<1>(x, w, y, N, K, block); break;
-    case 2: product_rows<2>(x, w, y, N, K, block); break;
-    case 3: product_rows<3>(x, w, y, N, K, block); break;
-    case 4: product_rows<4>(x, w, y, N, K, block); break;
-    case 5: product_rows<5>(x, w, y, N, K, block); break;
-    case 6: product_rows<6>(x, w, y, N, K, block); break;
-    case 7: product_rows<7>(x, w, y, N, K, block); break;
-    default: product_rows<8>(x, w, y, N, K, block); break;
-  }
+  const int64_t groups = (M + 7) / 8;
+  const Columns<W> full = columns_for<W>(std::min<int64_t>(M, 8), block);
+  const Columns<W> last = columns_for<W>(M - 8 * (groups - 1), block);
+  // grain: at least 64 weight rows per thread, so a small weight is not split into slivers
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    if (groups == 1) return full(x, w, y, N, K, n0, n1);
+    for (int64_t t0 = n0; t0 < n1; t0 += kTile) {
+      const int64_t t1 = std::min(t0 + kTile, n1);
+      for (int64_t g = 0; g < groups; ++g)
+        (g + 1 < groups ? full : last)(x + 8 * g * K, w, y + 8 * g * N, N, K, t0, t1);
+    }
+  });
 }
 
 // the product for a weight tensor [N, K] that is fp32 or bf16 (the caller checks which)

@@ -9,7 +9,7 @@ bf16, one-row `F.linear` streamed at 14 GB/s and `W @ x^T` with 4 rows at 23.5 G
 hard-coded: the first time a row count is seen, `MatmulRouter` times each candidate way of computing the
 product, over all of the model's weights in model order (the same cache behaviour as a real step), and keeps the
 fastest per weight shape for the rest of the process. Candidates: `F.linear` and `W @ x^T`, each on the rows
-as given or padded with zero rows to 2, 4 or 8 (a wider product can stream faster than a thinner one), and for
+as given or padded with zero rows to 2, 4, 8 or 16 (a wider product can stream faster than a thinner one), and for
 fp32 on AVX2 CPUs mtpkit's own thin kernel (kernels/thin_matmul.py; on an AVX2-only EPYC torch's products
 streamed at 2.5-11 GB/s of a 14-21 GB/s read bandwidth) with 1, 2 or 4 weight rows per pass ("thin1", "thin2",
 "thin4": which is fastest depends on the row count and the CPU).

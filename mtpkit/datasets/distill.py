@@ -126,13 +126,13 @@ def distill(model, tokenizer, prompts: list[dict], out_path, *, max_new_tokens: 
             "tokens_per_second": total / seconds if seconds > 0 else 0.0}
 
 
-def load_or_build_prompts(model, tokenizer, prompts_path, build) -> list[dict]:
+def load_or_build_prompts(model, tokenizer, prompts_path, build, *, batch_size: int = 128) -> list[dict]:
     """The prompt list of a run: read from prompts_path when a run started before, else `build()` completed
     with the model's own words and written there (atomically), so a resumed run uses exactly the same prompts."""
     prompts_path = Path(prompts_path)
     if prompts_path.exists():
         return [json.loads(line) for line in prompts_path.read_text().splitlines() if line.strip()]
-    prompts = complete_prompts(model, tokenizer, build())
+    prompts = complete_prompts(model, tokenizer, build(), batch_size=batch_size)
     prompts_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = prompts_path.with_suffix(prompts_path.suffix + ".tmp")
     tmp.write_text("".join(json.dumps(p) + "\n" for p in prompts))

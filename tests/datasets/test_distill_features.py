@@ -163,6 +163,11 @@ def test_distill_command_writes_features_and_stops_on_time(tiny, tmp_path, capsy
     out = capsys.readouterr().out
     done = len((tmp_path / "d.jsonl").read_text().splitlines())
     assert f"features of {done} records" in out and FeatureStore(tmp_path / "f").meta["records"] == done
+    assert ", cpu) ->" in out or torch.cuda.is_available()  # auto: CUDA when one is visible
     assert main([*args[:-2], "--topk", "4"]) == 2
     err = capsys.readouterr().err.strip()
     assert "give --features DIR as well" in err and len(err.splitlines()) == 1
+    if not torch.cuda.is_available():
+        assert main([*args, "--device", "cuda"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "no CUDA device" in err and "--device cpu" in err and len(err.splitlines()) == 1

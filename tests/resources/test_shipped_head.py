@@ -1,7 +1,8 @@
 """The MTP head shipped for SmolLM2-135M-Instruct is really trained: on held-back text (the model's own greedy
 continuations of generated prompts that were not in its training data: everyday chat, prose, lists and code) its
-teacher-forced top-1 accuracy for token i+2 is >= 0.495 (it scores 0.505, the head it grew from 0.488, an earlier
-one 0.29), where a random head, or the right head with the fc halves swapped, scores below 0.2."""
+teacher-forced top-1 accuracy for token i+2 is >= 0.645 (it scores 0.661, the head it grew from 0.571), where a random
+head, or the right head with the fc halves swapped, scores below 0.2. The held-back prompts change as GROWN_ON grows:
+each score above is on today's set."""
 
 import pytest
 import torch
@@ -18,8 +19,10 @@ from mtpkit.cli.distill_cmd import distill_words
 pytestmark = pytest.mark.slow
 
 TRAIN_PROMPTS, TRAIN_SEED = 12000, 0  # configs/smollm2_mtp_head.toml's distillation
-# and the distillations the head grew on (warm starts): prompts, seed, word share
-GROWN_ON = [(7000, 32, 0.35), (8000, 33, 0.35), (8000, 34, 0.35), (8000, 35, 0.35), (8000, 36, 0.35)]
+# and the distillations the head grew on (warm starts): prompts, seed, word share. Seed 40 was built under Python
+# 3.12 (on a GPU machine), so its prompts made from the standard library differ from the ones rebuilt here.
+GROWN_ON = [(7000, 32, 0.35), (8000, 33, 0.35), (8000, 34, 0.35), (8000, 35, 0.35), (8000, 36, 0.35),
+            (120000, 40, 0.35)]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +61,7 @@ def test_shipped_head_is_trained(held_back):
     load_mtp_head(model, resource(DEFAULT_HEAD))
     assert model.config.mtp_num_hidden_layers == 1
     acc = accuracy_i2(model, samples)
-    assert acc >= 0.495, acc
+    assert acc >= 0.645, acc
 
 
 def test_the_check_has_power(held_back):

@@ -25,8 +25,8 @@ def add_parser(sub) -> None:
     p.add_argument("--features", metavar="DIR",
                    help="also keep the trunk's hidden states of every record (bf16, from the forwards that made it) "
                         "and write them to the features directory DIR for data.mode = 'features' at the end of "
-                        "the run, with no `mtpkit features` pass; shards kept in OUT.hidden/ (H x 2 bytes a token; keep them "
-                        "until the last run: each run rebuilds DIR from every record's shard)")
+                        "the run, with no `mtpkit features` pass; shards kept in OUT.hidden/ (H x 2 bytes a token; "
+                        "keep them until the last run: each run rebuilds DIR from every record's shard)")
     p.add_argument("--topk", type=int, default=0,
                    help="with --features: also keep the top-k next-token log-probabilities (mtp.head_loss = 'soft')")
     p.add_argument("--max-minutes", type=float,

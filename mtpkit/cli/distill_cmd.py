@@ -48,8 +48,6 @@ def distill_words(tokenizer) -> list[str]:
 
 
 def run(args) -> int:
-    import torch
-
     from ..assets import cache_dir, default_gguf_path
     from ..checkpoint.hf import load_model
     from ..kernels.compute_dtype import describe, resolve
@@ -59,6 +57,7 @@ def run(args) -> int:
     from ..datasets.distill import distill, load_or_build_prompts
     from ..datasets.distill_features import HiddenShards
     from ..datasets.distill_prompts import build_prompts
+    from ..parallel.distributed import pick_device
 
     if args.num_prompts < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise ValueError("--num-prompts, --batch-size and --max-new-tokens must be >= 1")
@@ -66,10 +65,7 @@ def run(args) -> int:
         raise ValueError(f"--word-share must lie in [0, 1), not {args.word_share}")
     if args.topk and not args.features:
         raise ValueError("--topk is kept with the hidden states: give --features DIR as well")
-    auto = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(auto if args.device == "auto" else args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is visible; use --device cpu")
+    device = pick_device(args.device, setting="--device {}")
     path = Path(args.model) if args.model else default_gguf_path()
     model = load_model(path).eval()
     if args.topk < 0 or args.topk > model.config.vocab_size:

@@ -49,10 +49,12 @@ class Dist:
         return self.world > 1
 
 
-def pick_device(choice: str = "auto", local_rank: int = 0) -> torch.device:
+def pick_device(choice: str = "auto", local_rank: int = 0, setting: str = "train.device = '{}'") -> torch.device:
+    """This rank's device for `choice`: "auto" (CUDA when one is visible), "cpu" or "cuda"; `setting` spells the
+    option in the error (filled with the device asked for and the one to use instead)."""
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise ValueError("train.device = 'cuda' but no CUDA device is available")
+            raise ValueError(f"{setting.format('cuda')}: no CUDA device is visible; use {setting.format('cpu')}")
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
 

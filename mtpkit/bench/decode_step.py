@@ -8,6 +8,10 @@ Dtypes: float32, bfloat16 and int8 (weight-only int8 with bf16 activations, deco
 Table 0: this machine's memory bandwidth, measured in the same run: a 256 MB copy (read + write) and a 512 MB
 sum (read only). Decoding reads every weight once per step, so bytes of weights / read bandwidth bounds a step.
 
+Also in table 0: the multiply-adds a second the thin fp32 kernel (kernels/thin_matmul.py) does on 1-8 rows when its
+weight stays in cache, so memory costs nothing: a (k+1)-row verify multiplies every weight by k+1 rows, so it needs
+at least (k+1) x weights / that rate, and once that nears the memory bound the verify costs more than a decode.
+
 Table 1, per model and dtype (SmolLM2-135M, the default GGUF, and a Qwen3.5-0.8B-shaped model with random
 weights cut to its first 8 layers, pattern kept): median ms of a 1-token decode forward with the routing
 generate() uses (decode/matmul_routing.py), with plain F.linear, and with the best single routing candidate used
@@ -16,6 +20,8 @@ forward (GDN history kept, as in speculative decoding) and its ratio to a decode
 head (its forward over the k+1 verified rows, k-1 chained steps, k draft projections) over the full and a
 reduced draft vocabulary; and the mean acceptance length at which speculation breaks even:
 (verify + draft) / decode. SmolLM2 has no MTP head, so a random one is added (its cost is what counts here).
+Last, the verify's two floors in ms: the weights' bytes at the read bandwidth ("v mem") and, in fp32, its
+multiply-adds at the thin kernel's in-cache rate for k+1 rows ("v fma").
 
 Table 2: the routing measurements behind table 1 (ms per candidate and the choice, per row count and shape).
 
@@ -78,6 +84,28 @@ def bandwidth_gbs() -> dict:
     copy = median_ms(lambda: dst.copy_(src), 5)
     read = median_ms(lambda: big.sum(), 5)
     return {"copy": 2 * src.nbytes / copy / 1e6, "read": big.nbytes / read / 1e6}
+
+
+def thin_fma_rates(rows=range(1, 9), repeats: int = 15) -> dict[int, float]:
+    """Giga multiply-adds a second of the thin fp32 kernel per row count, its fastest weight rows per pass and its
+    fastest of `repeats` rounds (interleaved over the row counts; other load only slows it), on a 384 x 576 weight
+    (885 kB: each thread's half stays in its L2), so the rate is its arithmetic alone; {} where the kernel is not
+    available."""
+    from ..kernels import thin_matmul
+
+    if not thin_matmul.available():
+        return {}
+    w = torch.randn(384, 576)
+    xs = {m: torch.randn(m, 576) for m in rows}
+    fastest = dict.fromkeys(rows, float("inf"))
+    for _ in range(repeats):
+        for m, x in xs.items():
+            for block in thin_matmul.BLOCKS:
+                start = time.perf_counter()
+                for _ in range(50):
+                    thin_matmul.thin_linear(x, w, block)
+                fastest[m] = min(fastest[m], time.perf_counter() - start)
+    return {m: 50 * m * w.numel() / s / 1e9 for m, s in fastest.items()}
 
 
 def weight_bytes(model) -> int:
@@ -176,21 +204,32 @@ def tokens_per_second(model, hf_model, prompt: list[int], new_tokens: int, runs:
     return ours, theirs, same
 
 
-def print_step_table(models: dict, args, ks, bw: dict) -> None:
+def verify_multiply_adds(model) -> int:
+    """Multiply-adds per row of a trunk forward's products: every trunk linear weight and the output projection."""
+    from ..kernels.linear import Linear
+
+    weights = [m.weight for n, m in model.named_modules() if isinstance(m, Linear) and not n.startswith("mtp")]
+    return sum(w.numel() for w in {w.data_ptr(): w for w in [*weights, model.output_weight]}.values())
+
+
+def print_step_table(models: dict, args, ks, bw: dict, rates: dict) -> None:
     print(f"threads {args.threads}, context {args.context} tokens, median of {args.repeats}, "
           f"reduced draft vocab {args.draft_vocab} ids; read bandwidth {bw['read']:.1f} GB/s\n")
     cols = ["k", "F.linear", "best 1", "decode", "MB/step", "GB/s", "% read", "verify", "ratio", "draft",
-            "draft/sub", "b-even", "b-e/sub"]
+            "draft/sub", "b-even", "b-e/sub", "v mem", "v fma"]
     print(f"{'model':<44}" + "".join(f"{c:>10}" for c in cols))
     for name, model in models.items():
         costs = step_costs(model, ks, args.repeats, args.context, args.draft_vocab, compare_routes=True)
         mb = weight_bytes(model) / 1e6
+        fp32 = rates and model.output_weight.dtype == torch.float32
+        adds = verify_multiply_adds(model)
         for r in costs:
             gbs = mb / r["decode"]
             cells = [str(r["k"]), *(f"{r[c]:.1f}" for c in ("decode_plain", "best_single", "decode")), f"{mb:.0f}",
                      f"{gbs:.1f}", f"{100 * gbs / bw['read']:.0f}%", f"{r['verify']:.1f}",
                      f"{r['verify'] / r['decode']:.2f}", *(f"{r[c]:.1f}" for c in ("full", "subset")),
-                     f"{r['break_even']:.2f}", f"{r['break_even_subset']:.2f}"]
+                     f"{r['break_even']:.2f}", f"{r['break_even_subset']:.2f}", f"{mb / bw['read']:.1f}",
+                     f"{(r['k'] + 1) * adds / rates[r['k'] + 1] / 1e6:.1f}" if fp32 and r["k"] + 1 in rates else "-"]
             print(f"{name:<44}" + "".join(f"{c:>10}" for c in cells))
         r0 = r
         print(f"{'':<44}  best single candidate: {r0['best_single_name']}; routed / best single = "
@@ -251,7 +290,12 @@ def main(argv=None) -> None:
     path = pathlib.Path(args.model or default_gguf_path())
     ks = [int(k) for k in args.k.split(",")]
     bw = bandwidth_gbs()
-    print(f"memory bandwidth: copy {bw['copy']:.1f} GB/s (read + write), read {bw['read']:.1f} GB/s\n")
+    print(f"memory bandwidth: copy {bw['copy']:.1f} GB/s (read + write), read {bw['read']:.1f} GB/s")
+    rates = thin_fma_rates()
+    if rates:
+        print("thin fp32 kernel in cache, G multiply-adds/s at " + " / ".join(map(str, rates)) + " rows: "
+              + " / ".join(f"{r:.0f}" for r in rates.values()))
+    print()
     plain_tps = {}
     for name in args.dtypes.split(","):
         name = name.strip()  # "int8": int8 weights, bf16 activations
@@ -262,7 +306,7 @@ def main(argv=None) -> None:
         if not args.skip_qwen:
             torch.manual_seed(0)
             models[f"Qwen3.5-0.8B shape, 8 layers {name}"] = quantize(build_model(QWEN35_08B_8L).to(dtype))
-        print_step_table(models, args, ks, bw)
+        print_step_table(models, args, ks, bw, rates)
         print_routing_table(models)
         models.clear()  # frees the Qwen-shaped model before transformers loads its copy of SmolLM2
         if not args.skip_hf:

@@ -63,6 +63,10 @@ class DraftHead:
             self.vocab = vocab.unique()
             if self.projection is None:
                 weight = weight[self.vocab]  # [N, H]: a copy, made once per generate call
+                if weight.dtype == torch.float32 and weight.device.type == "cpu":
+                    # rounded to bf16 values, which the decode router streams from a bf16 copy: half the bytes of
+                    # each draft depth's projection; only q changes (by rounding), which verification corrects
+                    weight = weight.bfloat16().float()
             else:
                 self.projection = self.projection.rows(self.vocab)
         self.weight = weight

@@ -179,3 +179,17 @@ def test_the_sampling_test_fails_for_a_wrong_rejection_rule(sampling_case, monke
     monkeypatch.setattr(spec, "residual", lambda p, q: p)
     counts, _ = empirical_counts(model, params, prompt, 2, seed=2)
     assert chi2_pvalue(counts, joint) < 1e-6
+
+
+def test_a_draft_vocabulary_is_drafted_from_bf16_rounded_rows_that_stream_at_half_the_bytes():
+    """On CPU in fp32 the draft-vocabulary slice holds its rows rounded to bf16, so the decode router streams it
+    from an exact bf16 copy; output stays lossless (the test above), and the full vocabulary is drafted as it is."""
+    from mtpkit.decode.matmul_routing import router_for
+
+    model = drafting_model("llama")
+    weight, vocab = model.output_weight, torch.tensor([7, 3, 20, 11])
+    head = spec.DraftHead(model, SamplingParams(), vocab)
+    assert weight.dtype == torch.float32 and not torch.equal(weight[vocab.sort().values], head.weight)
+    assert torch.equal(head.weight, weight[vocab.sort().values].bfloat16().float())
+    assert router_for(model).stream(head.weight).dtype == torch.bfloat16
+    assert spec.DraftHead(model, SamplingParams()).weight is weight

@@ -221,7 +221,7 @@ def print_step_table(models: dict, args, ks, bw: dict, rates: dict) -> None:
     for name, model in models.items():
         costs = step_costs(model, ks, args.repeats, args.context, args.draft_vocab, compare_routes=True)
         mb = weight_bytes(model) / 1e6
-        fp32 = rates and model.output_weight.dtype == torch.float32
+        fp32 = bool(rates) and model.output_weight.dtype == torch.float32
         adds = verify_multiply_adds(model)
         for r in costs:
             gbs = mb / r["decode"]

@@ -32,6 +32,7 @@ import shutil
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -161,7 +162,7 @@ def fine_tune(arm: str, seed: int, setup: dict, corpus: Path, out: Path, device,
                  "seed": 1000 + seed},
         "train": {"run_dir": str(run / "run"), "steps": steps, "batch_size": size["batch"], "device": device.type,
                   "seed": seed, "autocast": "bf16" if device.type == "cuda" else "fp32"},
-        "optim": {"lr": 2e-4, "warmup_steps": max(1, steps // 20), "weight_decay": 0.0},
+        "optim": {"lr": 3e-4, "warmup_steps": max(1, steps // 20), "weight_decay": 0.0},
         "checkpoint": {"every": 0, "keep": 1},
         "log": {"every": max(1, steps // 8), "progress": False},
     })
@@ -349,13 +350,40 @@ def plot(table: dict, path: Path) -> Path:
     return path
 
 
+def run_arm(arm, seed, key, setup, corpus, out, device, size, results, answers, took, tiny) -> dict | None:
+    """Train (or refresh) one arm and evaluate it; None when the arm it refreshes is missing."""
+    start = time.perf_counter()
+    if arm in REFRESHED:
+        source = f"{REFRESHED[arm]}/seed{seed}"
+        if source not in results:
+            log(f"{key}: skipped, {source} was not trained")
+            return None
+        rep = refresh(model_dir(out, source), out / "refresh_prompts.jsonl", out / arm / f"seed{seed}",
+                      eval_prompts=out / "refresh_eval_prompts.jsonl", device=device.type, dtype="float32",
+                      batch_size=512 if device.type == "cuda" else 4, seed=seed, seq_len=size["seq_len"],
+                      train_batch_size=32 if device.type == "cuda" else 2, max_new_tokens=16 if tiny else 128,
+                      ks=(1,), eval_tokens=64, progress=False)
+        wall = results[source]["wall_seconds"] + sum(rep["seconds"].values())
+        extra = {"refresh": {"distilled_tokens": rep["distilled_tokens"], "steps": rep["train_steps"],
+                             "seconds": rep["seconds"]}}
+        took["refresh"] = time.perf_counter() - start
+    else:
+        _, wall = fine_tune(arm, seed, setup, corpus, out, device, size)
+        extra = {}
+        took["train"] = time.perf_counter() - start
+    eval_start = time.perf_counter()
+    value = {"wall_seconds": wall, **extra, **evaluate(model_dir(out, key), setup, answers, device, size)}
+    took["eval"] = time.perf_counter() - eval_start
+    return value
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/alignment")
     ap.add_argument("--corpus", help="the code corpus directory (default: OUT/corpus, built on first use)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--seeds", default="0")
-    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--arms", default="a,b01,d,c,b03,e", help="in the order they run (a refresh after its arm)")
     ap.add_argument("--tiny", action="store_true", help="minute-sized sizes: checks the script end to end")
     ap.add_argument("--deadline-minutes", type=float, help="start no stage that would end after this")
     ap.add_argument("--no-speedup", action="store_true", help="skip the timed speedup stage")
@@ -399,30 +427,13 @@ def main() -> int:
                 log(f"{key}: skipped, the deadline leaves too little time ({need:.0f} s needed)")
                 continue
             start = time.perf_counter()
-            if arm in REFRESHED:
-                source = model_dir(out, f"{REFRESHED[arm]}/seed{seed}")
-                if f"{REFRESHED[arm]}/seed{seed}" not in results:
-                    log(f"{key}: skipped, {REFRESHED[arm]}/seed{seed} was not trained")
-                    continue
-                rep = refresh(source, out / "refresh_prompts.jsonl", out / arm / f"seed{seed}",
-                              eval_prompts=out / "refresh_eval_prompts.jsonl", batch_size=256 if
-                              device.type == "cuda" else 4, device=device.type, dtype="float32", seed=seed,
-                              train_batch_size=32 if device.type == "cuda" else 2, seq_len=size["seq_len"],
-                              max_new_tokens=128 if not args.tiny else 16, ks=(1,), eval_tokens=64,
-                              progress=False)
-                path = model_dir(out, key)
-                wall = results[f"{REFRESHED[arm]}/seed{seed}"]["wall_seconds"] + sum(rep["seconds"].values())
-                extra = {"refresh": {"distilled_tokens": rep["distilled_tokens"], "steps": rep["train_steps"],
-                                     "seconds": rep["seconds"]}}
-                took["refresh"] = time.perf_counter() - start
-            else:
-                path, wall = fine_tune(arm, seed, setup, corpus, out, device, size)
-                extra = {}
-                took["train"] = time.perf_counter() - start
-            eval_start = time.perf_counter()
-            value = {"wall_seconds": wall, **extra, **evaluate(path, setup, answers, device, size)}
-            took["eval"] = time.perf_counter() - eval_start
-            save(key, value, time.perf_counter() - start)
+            try:
+                value = run_arm(arm, seed, key, setup, corpus, out, device, size, results, answers, took, args.tiny)
+            except Exception:  # noqa: BLE001 - one arm's failure is logged; the others still run in the time left
+                log(f"{key}: failed\n{traceback.format_exc()}")
+                continue
+            if value is not None:
+                save(key, value, time.perf_counter() - start)
     if not args.no_speedup:
         for key in ("base", *[k for k in results if k.endswith("/seed0")]):
             if "speedup" in results[key] or not model_dir(out, key).exists():
@@ -431,7 +442,11 @@ def main() -> int:
                 log(f"{key}: speedup skipped (deadline)")
                 continue
             start = time.perf_counter()
-            results[key]["speedup"] = timed_speedup(model_dir(out, key), setup, device, size)
+            try:
+                results[key]["speedup"] = timed_speedup(model_dir(out, key), setup, device, size)
+            except Exception:  # noqa: BLE001 - as for the arms
+                log(f"{key}: speedup failed\n{traceback.format_exc()}")
+                continue
             took["speedup"] = time.perf_counter() - start
             results_path.write_text(json.dumps(results))
             log(f"{key}: speedup {results[key]['speedup']}")

@@ -20,7 +20,8 @@ Every stage is kept under --out and skipped when rerun; --deadline-minutes stops
 write the results (results.json, table.md, alignment.png).
 
     python scripts/finetune_alignment.py --out runs/alignment --device cuda --seeds 0,1   # the full run (GPU)
-    python scripts/finetune_alignment.py --out runs/alignment_tiny --device cpu --tiny    # a check of the script
+    python scripts/finetune_alignment.py --out runs/alignment_cpu --device cpu --size cpu  # the CPU-scale run
+    python scripts/finetune_alignment.py --out runs/alignment_tiny --device cpu --size tiny # a check of the script
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ REFRESHED = {"d": "a", "e": "b01"}
 # refresh prompts, timed prompts)
 FULL = dict(train_tokens=2_097_152, batch=32, seq_len=1024, domain_prompts=128, general_prompts=60, new_tokens=160,
             loss_windows=64, refresh_prompts=2048, timed_prompts=4)
+# the CPU-scale run: >= 300k training tokens per arm, >= 64 domain prompts of >= 128 new tokens
+CPU = dict(train_tokens=327_680, batch=4, seq_len=512, domain_prompts=64, general_prompts=40, new_tokens=128,
+           loss_windows=32, refresh_prompts=256, timed_prompts=2)
 TINY = dict(train_tokens=2048, batch=2, seq_len=256, domain_prompts=4, general_prompts=3, new_tokens=16,
             loss_windows=2, refresh_prompts=12, timed_prompts=1)
 KS = (1, 2, 3)
@@ -163,8 +167,9 @@ def fine_tune(arm: str, seed: int, setup: dict, corpus: Path, out: Path, device,
         "train": {"run_dir": str(run / "run"), "steps": steps, "batch_size": size["batch"], "device": device.type,
                   "seed": seed, "autocast": "bf16" if device.type == "cuda" else "fp32"},
         "optim": {"lr": 3e-4, "warmup_steps": max(1, steps // 20), "weight_decay": 0.0},
-        "checkpoint": {"every": 0, "keep": 1},
-        "log": {"every": max(1, steps // 8), "progress": False},
+        # on a CPU an arm takes hours: checkpoints let a killed run resume
+        "checkpoint": {"every": 0 if device.type == "cuda" else max(1, steps // 16), "keep": 1},
+        "log": {"every": max(1, steps // 16), "progress": False},
     })
     start = time.perf_counter()
     train(cfg)
@@ -228,7 +233,7 @@ def evaluate(model_dir: Path, setup: dict, answers, device, size: dict) -> dict:
     model = mtpkit.load_model(model_dir).eval().to(device)
     tok = load_tokenizer(model_dir)
     result = losses(model, setup["windows"], answers, device)
-    batch = 128 if device.type == "cuda" else 4
+    batch = 128 if device.type == "cuda" else 16
     for name in ("domain", "general"):
         rows = [encode_prompt(tok, p["prompt"], p.get("chat", False)) for p in setup[name]]
         result[name] = acceptance(model, rows, tok.eos_token_id, size["new_tokens"], batch)
@@ -360,9 +365,9 @@ def run_arm(arm, seed, key, setup, corpus, out, device, size, results, answers, 
             return None
         rep = refresh(model_dir(out, source), out / "refresh_prompts.jsonl", out / arm / f"seed{seed}",
                       eval_prompts=out / "refresh_eval_prompts.jsonl", device=device.type, dtype="float32",
-                      batch_size=512 if device.type == "cuda" else 4, seed=seed, seq_len=size["seq_len"],
-                      train_batch_size=32 if device.type == "cuda" else 2, max_new_tokens=16 if tiny else 128,
-                      ks=(1,), eval_tokens=64, progress=False)
+                      batch_size=512 if device.type == "cuda" else 16, seed=seed, seq_len=size["seq_len"],
+                      train_batch_size=32 if device.type == "cuda" else size["batch"],
+                      max_new_tokens=16 if tiny else 128, ks=(1,), eval_tokens=64, progress=False)
         wall = results[source]["wall_seconds"] + sum(rep["seconds"].values())
         extra = {"refresh": {"distilled_tokens": rep["distilled_tokens"], "steps": rep["train_steps"],
                              "seconds": rep["seconds"]}}
@@ -384,11 +389,12 @@ def main() -> int:
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--arms", default="a,b01,d,c,b03,e", help="in the order they run (a refresh after its arm)")
-    ap.add_argument("--tiny", action="store_true", help="minute-sized sizes: checks the script end to end")
+    ap.add_argument("--size", choices=("full", "cpu", "tiny"), default="full",
+                    help="full: the GPU run; cpu: the CPU-scale run (days of 2 cores); tiny: checks the script")
     ap.add_argument("--deadline-minutes", type=float, help="start no stage that would end after this")
     ap.add_argument("--no-speedup", action="store_true", help="skip the timed speedup stage")
     args = ap.parse_args()
-    size = TINY if args.tiny else FULL
+    size = {"full": FULL, "cpu": CPU, "tiny": TINY}[args.size]
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")
     deadline = Deadline(args.deadline_minutes)
@@ -428,7 +434,8 @@ def main() -> int:
                 continue
             start = time.perf_counter()
             try:
-                value = run_arm(arm, seed, key, setup, corpus, out, device, size, results, answers, took, args.tiny)
+                value = run_arm(arm, seed, key, setup, corpus, out, device, size, results, answers, took,
+                                args.size == "tiny")
             except Exception:  # noqa: BLE001 - one arm's failure is logged; the others still run in the time left
                 log(f"{key}: failed\n{traceback.format_exc()}")
                 continue

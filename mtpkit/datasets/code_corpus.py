@@ -116,7 +116,8 @@ def read_corpus(path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def cut_prompts(docs: list[dict], tokenizer, n: int, *, context_tokens: int, min_left: int, seed: int = 0) -> list[dict]:
+def cut_prompts(docs: list[dict], tokenizer, n: int, *, context_tokens: int, min_left: int,
+                seed: int = 0) -> list[dict]:
     """n prompts cut mid-file at a line start: the `context_tokens` tokens before the cut (at least half that),
     with at least `min_left` tokens of the file after it, so a continuation has room to run. At most one prompt per
     file, files drawn in a seeded order. Returns [{"prompt": text, "path", "kind": "code"}]."""

@@ -50,7 +50,7 @@ from mtpkit.datasets.code_corpus import build_code_corpus, cut_prompts, read_cor
 from mtpkit.tokenizer import encode_prompt, load_tokenizer
 from mtpkit.train.config import config_from_dict
 from mtpkit.train.export import export
-from mtpkit.train.refresh import FASTMTP_WEIGHTS, refresh
+from mtpkit.refresh import FASTMTP_WEIGHTS, refresh
 from mtpkit.train.trainer import train
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""`mtpkit refresh`: re-align a fine-tuned model's MTP head with its trunk (mtpkit/train/refresh.py)."""
+"""`mtpkit refresh`: re-align a fine-tuned model's MTP head with its trunk (mtpkit/refresh.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..train.refresh import refresh, render
+    from ..refresh import refresh, render
 
     for name in ("max_new_tokens", "batch_size", "train_batch_size", "seq_len"):
         if getattr(args, name) < 1:

@@ -21,8 +21,8 @@ import math
 import time
 from pathlib import Path
 
-from ..checkpoint.graft import graft, read_head
-from ..checkpoint.hf import CheckpointError
+from .checkpoint.graft import graft, read_head
+from .checkpoint.hf import CheckpointError
 
 FASTMTP_WEIGHTS = [0.51, 0.31, 0.18]  # one shared layer trained at three chained depths, as k = 3 drafting uses it
 
@@ -71,10 +71,10 @@ def train_config(model_dir, features, run_dir, *, tokens: int, layers: int, dept
 
 def acceptance(model_dir, prompts: list[dict], *, device, dtype, ks, num_tokens: int, batch_size: int) -> dict:
     """Mean acceptance length (+- SE over prompts) and per-position acceptance at each k, greedy."""
-    from ..bench.acceptance_se import accept_lengths_per_prompt, mean_length_se
-    from ..checkpoint.hf import load_model
-    from ..kernels.compute_dtype import resolve
-    from ..tokenizer import encode_prompt, load_tokenizer
+    from .bench.acceptance_se import accept_lengths_per_prompt, mean_length_se
+    from .checkpoint.hf import load_model
+    from .kernels.compute_dtype import resolve
+    from .tokenizer import encode_prompt, load_tokenizer
 
     model = load_model(model_dir).eval()
     model = model.to(device=device, dtype=resolve(dtype, device, model.config))
@@ -98,11 +98,11 @@ def refresh(model, prompts, out, *, head_from=None, eval_prompts=None, eval_ever
     """Refresh the MTP head of the HF directory `model` (with --head-from's head grafted in first when given) on
     the model's own continuations of `prompts` (a prompts file, `datasets.distill.read_user_prompts`); write OUT as
     the module docstring says and return the report."""
-    from ..datasets.distill import distill_model, read_user_prompts
-    from ..parallel.distributed import pick_device
-    from .config import config_from_dict
-    from .export import export
-    from .trainer import train
+    from .datasets.distill import distill_model, read_user_prompts
+    from .parallel.distributed import pick_device
+    from .train.config import config_from_dict
+    from .train.export import export
+    from .train.trainer import train
 
     out = Path(out)
     train_prompts, held = split_prompts(read_user_prompts(prompts),

@@ -18,7 +18,7 @@ from train_runs import TINY_LLAMA, _WORDS, make_tokenizer
 import mtpkit
 from mtpkit.checkpoint.hf import build_model, save_model
 from mtpkit.cli import main
-from mtpkit.train.refresh import refresh
+from mtpkit.refresh import refresh
 
 SMALL = dict(max_new_tokens=24, batch_size=16, device="cpu", dtype="float32", train_batch_size=8, seq_len=64,
              ks=(1, 2), eval_tokens=24, progress=False)

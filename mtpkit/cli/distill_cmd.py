@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16")
+# the arguments that shape the records: a resumed run must give the same ones (recorded in OUT.manifest.json)
+RECORDED_ARGS = ("num_prompts", "seed", "word_share", "no_literature", "max_new_tokens", "topk")
 
 
 def add_parser(sub) -> None:
@@ -48,13 +50,24 @@ def distill_words(tokenizer) -> list[str]:
 
 
 def run(args) -> int:
+    from ..locking import OutputLock
+
+    out = Path(args.out)
+    with OutputLock(out.with_name(out.name + ".lock"), f"distill output {out}"):
+        return _run(args, out)
+
+
+def _run(args, out: Path) -> int:
+    import torch
+
     from ..assets import cache_dir, default_gguf_path
     from ..checkpoint.hf import load_model
     from ..kernels.compute_dtype import describe, resolve
     from ..tokenizer import load_tokenizer
     from ..datasets.shakespeare import shakespeare_texts
     from ..data.features import model_identity
-    from ..datasets.distill import distill, load_or_build_prompts
+    from ..manifest import check_or_write_manifest
+    from ..datasets.distill import check_output, distill, load_or_build_prompts, manifest_path, prompts_path
     from ..datasets.distill_features import HiddenShards
     from ..datasets.distill_prompts import build_prompts
     from ..parallel.distributed import pick_device
@@ -65,22 +78,30 @@ def run(args) -> int:
         raise ValueError(f"--word-share must lie in [0, 1), not {args.word_share}")
     if args.topk and not args.features:
         raise ValueError("--topk is kept with the hidden states: give --features DIR as well")
+    manifest = check_output(out)
     device = pick_device(args.device, setting="--device {}")
     path = Path(args.model) if args.model else default_gguf_path()
     model = load_model(path).eval()
     if args.topk < 0 or args.topk > model.config.vocab_size:
         raise ValueError(f"--topk must lie in 0..{model.config.vocab_size}, not {args.topk}")
     identity = model_identity(model)  # of the weights as loaded, which training loads too
-    dtype = resolve(args.dtype, device, model.config)
-    if args.dtype == "auto":
-        print(f"compute dtype: {str(dtype).removeprefix('torch.')} (measured: "
+    if args.dtype == "auto" and manifest and manifest.get("dtype") in DTYPES[1:]:  # resumed: compute as it started
+        dtype = getattr(torch, manifest["dtype"])
+    else:
+        dtype = resolve(args.dtype, device, model.config)
+    dtype_name = str(dtype).removeprefix("torch.")
+    check_or_write_manifest(manifest_path(out), {
+        "writer": "mtpkit distill", "model": identity, "dtype": dtype_name,
+        "args": {name: getattr(args, name) for name in RECORDED_ARGS}}, f"distill output {out}",
+        "give the same --model, --dtype and arguments to continue it, or write to another --out")
+    if args.dtype == "auto" and not manifest:
+        print(f"compute dtype: {dtype_name} (measured: "
               f"{describe(device, model.config.hidden_size, model.config.intermediate_size)})")
     model = model.to(device=device, dtype=dtype)
     tokenizer = load_tokenizer(path)
-    out = Path(args.out)
     literature = None if args.no_literature else shakespeare_texts(cache_dir() / "shakespeare")
     prompts = load_or_build_prompts(
-        model, tokenizer, out.with_name(out.name + ".prompts.jsonl"),
+        model, tokenizer, prompts_path(out),
         lambda: build_prompts(args.num_prompts, args.seed, literature,
                               distill_words(tokenizer) if args.word_share else None, args.word_share),
         batch_size=args.batch_size)
@@ -89,9 +110,9 @@ def run(args) -> int:
                    shards=shards, topk=args.topk,
                    max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
     print(f"{info['done']} of {len(prompts)} prompts done; {info['tokens']} new tokens in {info['seconds']:.0f} s "
-          f"({info['tokens_per_second']:.0f} tokens/s, {str(dtype).removeprefix('torch.')}, {device.type}) -> {out}")
+          f"({info['tokens_per_second']:.0f} tokens/s, {dtype_name}, {device.type}) -> {out}")
     if shards is not None and info["done"]:
         records = shards.assemble(out, tokenizer, identity, model.config.vocab_size, args.features, topk=args.topk,
-                                  hidden_dtype="bfloat16")
+                                  hidden_dtype="bfloat16", compute=dtype_name)
         print(f"features of {records} records -> {args.features}")
     return 0

@@ -20,6 +20,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..data.reading import DataError
+from ..manifest import read_manifest
 from ..tokenizer import encode_prompt
 from .distill_features import HiddenCapture, HiddenShards
 
@@ -76,16 +78,55 @@ def _quoted(line: str) -> str:
     return m.group(1).strip(' "') if m else line
 
 
-def _done_indices(out_path: Path) -> set[int]:
-    """Indices of the prompts already in OUT; a torn last line (killed mid-write) is cut off."""
+def manifest_path(out_path) -> Path:
+    """Where a distillation output records who wrote it (mtpkit/manifest.py)."""
+    out_path = Path(out_path)
+    return out_path.with_name(out_path.name + ".manifest.json")
+
+
+def prompts_path(out_path) -> Path:
+    out_path = Path(out_path)
+    return out_path.with_name(out_path.name + ".prompts.jsonl")
+
+
+def check_output(out_path) -> dict | None:
+    """The manifest of the distillation output `out_path`: None for a new output (or one an mtpkit without
+    manifests started, known by its prompt list). A path that holds anything else is refused: the run would cut
+    its last line and append to it."""
+    out_path = Path(out_path)
+    if out_path.exists() and not out_path.is_file():
+        raise DataError(f"--out {out_path} is not a regular file: give the path of a JSONL file to write")
+    manifest = read_manifest(manifest_path(out_path))
+    if manifest is None and out_path.exists() and out_path.stat().st_size and not prompts_path(out_path).exists():
+        raise DataError(f"{out_path} already holds data that mtpkit distill did not write (no "
+                        f"{manifest_path(out_path).name} beside it): give --out a new file")
+    return manifest
+
+
+def _record_index(line: bytes, where: str, n: int) -> int:
+    try:
+        i = json.loads(line)["index"]
+    except (ValueError, KeyError, TypeError):
+        i = None
+    if type(i) is not int or not 0 <= i < n:
+        raise DataError(f"{where} is not a record of this distillation (want a JSON object with an \"index\" in "
+                        f"0..{n - 1}): give --out a new file")
+    return i
+
+
+def _done_indices(out_path: Path, n: int) -> set[int]:
+    """Indices of the prompts already in OUT (each checked: 0..n-1); a torn last line (killed mid-write) is cut
+    off."""
     if not out_path.exists():
         return set()
     data = out_path.read_bytes()
     end = data.rfind(b"\n") + 1
+    done = {_record_index(line, f"{out_path}:{k}", n) for k, line in enumerate(data[:end].splitlines(), 1)
+            if line.strip()}
     if end < len(data):
         with out_path.open("r+b") as f:
             f.truncate(end)
-    return {json.loads(line)["index"] for line in data[:end].splitlines() if line.strip()}
+    return done
 
 
 def distill(model, tokenizer, prompts: list[dict], out_path, *, max_new_tokens: int = 128, batch_size: int = 32,
@@ -98,7 +139,7 @@ def distill(model, tokenizer, prompts: list[dict], out_path, *, max_new_tokens: 
     by this call), "seconds", "tokens_per_second"}."""
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = _done_indices(out_path)
+    done = _done_indices(out_path, len(prompts))
     encoded = [encode_prompt(tokenizer, p["prompt"], p["chat"]) for p in prompts]
     order = _interleaved(len(prompts), done, encoded, batch_size)
     total, start = 0, time.perf_counter()

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .features import mark_done, open_features, read_distilled, stored_hidden, topk_logprobs
+from .features import mark_done, open_features, read_distilled, stored_hidden, topk_logprobs, writer_lock
 
 
 class HiddenCapture:
@@ -55,7 +55,8 @@ class HiddenShards:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def paths(self) -> list[Path]:
-        return sorted(self.root.glob("[0-9]*.npz"))
+        """The finished shards: NNNNNN.npz only (a temporary file of a killed write is named .NNNNNN.tmp)."""
+        return sorted(p for p in self.root.glob("*.npz") if p.stem.isdigit())
 
     def write(self, indices: list[int], capture: HiddenCapture, lengths: list[int]) -> None:
         """One batch: prompt indices, their record lengths (prompt + completion) and the captured rows."""
@@ -67,17 +68,22 @@ class HiddenShards:
         arrays = {name: np.concatenate([r[j] for r in rows]) for j, name in enumerate(names)}
         last = self.paths()
         path = self.root / f"{int(last[-1].stem) + 1 if last else 0:06d}.npz"
-        tmp = path.with_name(path.stem + ".tmp.npz")
+        tmp = path.with_name(f".{path.stem}.tmp")  # never matched by paths(), replaced by the next write
         with open(tmp, "wb") as f:
             np.savez(f, index=np.asarray(indices, np.int64), stored=np.asarray(lengths, np.int64) - 1, **arrays)
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(path)
 
-    def assemble(self, records, tokenizer, identity: dict, vocab_size: int, out, *, topk: int,
-                 hidden_dtype: str) -> int:
-        """Write the features directory `out` for the records file `records` from the shards; returns its
-        records."""
+    def assemble(self, records, tokenizer, identity: dict, vocab_size: int, out, *, topk: int, hidden_dtype: str,
+                 compute: str) -> int:
+        """Write the features directory `out` for the records file `records` (distilled computing in `compute`)
+        from the shards; returns its records. `out` may only hold features assembled for the same records file."""
+        with writer_lock(out):
+            return self._assemble(records, tokenizer, identity, vocab_size, out, topk=topk,
+                                  hidden_dtype=hidden_dtype, compute=compute)
+
+    def _assemble(self, records, tokenizer, identity, vocab_size, out, *, topk, hidden_dtype, compute) -> int:
         files, raw, docs = read_distilled(records, tokenizer)
         where = {}  # prompt index -> (shard, first row, rows); a later shard replaces a left-over one
         for s, path in enumerate(self.paths()):
@@ -91,6 +97,7 @@ class HiddenShards:
                              f"prompt {missing[0]}): they were distilled without --features; build the features with "
                              "`mtpkit features` instead")
         arrays, _ = open_features(identity, vocab_size, files, docs, out, topk=topk, hidden_dtype=hidden_dtype,
+                                  compute=compute, writer=f"mtpkit distill --out {Path(records).resolve()}",
                                   fresh=True)
         offsets = np.concatenate([[0], np.cumsum([len(d) for d, _ in docs])])
         by_shard: dict[int, list[int]] = {}

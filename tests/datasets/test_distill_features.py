@@ -74,7 +74,7 @@ def _distill(model_dir, tok, prompts, out, **kw):
 
 def _assemble(model, tok, shards, records, out):
     return shards.assemble(records, tok, model_identity(model), model.config.vocab_size, out, topk=4,
-                           hidden_dtype="bfloat16")
+                           hidden_dtype="bfloat16", compute="float32")
 
 
 def test_distilled_features_equal_a_features_pass_over_the_same_records(tiny, tmp_path):
@@ -84,7 +84,8 @@ def test_distilled_features_equal_a_features_pass_over_the_same_records(tiny, tm
     assert _assemble(model, tok, shards, tmp_path / "d.jsonl", tmp_path / "fused") == 8
     build_features(model, tok, tmp_path / "d.jsonl", tmp_path / "pass", topk=4, compute="float32", progress=False)
     fused, ref = FeatureStore(tmp_path / "fused"), FeatureStore(tmp_path / "pass")
-    assert fused.meta == ref.meta  # same records, trunk, dtypes: interchangeable for training
+    writer = {"writer": None}  # who wrote each apart: same records, trunk, dtypes, so interchangeable for training
+    assert dict(fused.meta, **writer) == dict(ref.meta, **writer)
     for name in ("input_ids", "loss_mask", "offsets"):
         assert np.array_equal(getattr(fused, name), getattr(ref, name))
     last = fused.offsets[1:] - 1

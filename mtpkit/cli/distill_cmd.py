@@ -68,7 +68,8 @@ def _run(args, out: Path) -> int:
     from ..data.features import model_identity
     from ..manifest import check_or_write_manifest
     from ..datasets.distill import check_output, distill, load_or_build_prompts, manifest_path, prompts_path
-    from ..datasets.distill_features import HiddenShards
+    from ..datasets.distill_features import HiddenShards, writer_name
+    from ..datasets.features import check_writer
     from ..datasets.distill_prompts import build_prompts
     from ..parallel.distributed import pick_device
 
@@ -79,6 +80,8 @@ def _run(args, out: Path) -> int:
     if args.topk and not args.features:
         raise ValueError("--topk is kept with the hidden states: give --features DIR as well")
     manifest = check_output(out)
+    if args.features:  # before the work: the features directory is written at the end
+        check_writer(args.features, writer_name(out))
     device = pick_device(args.device, setting="--device {}")
     path = Path(args.model) if args.model else default_gguf_path()
     model = load_model(path).eval()

@@ -24,6 +24,11 @@ import torch
 from .features import mark_done, open_features, read_distilled, stored_hidden, topk_logprobs, writer_lock
 
 
+def writer_name(records) -> str:
+    """Who a features directory assembled from the distillation output `records` was written by."""
+    return f"mtpkit distill --out {Path(records).resolve()}"
+
+
 class HiddenCapture:
     """`generate`'s on_hidden for one batch of rows: collects each row's hidden states (stored dtype) and top-k."""
 
@@ -97,7 +102,7 @@ class HiddenShards:
                              f"prompt {missing[0]}): they were distilled without --features; build the features with "
                              "`mtpkit features` instead")
         arrays, _ = open_features(identity, vocab_size, files, docs, out, topk=topk, hidden_dtype=hidden_dtype,
-                                  compute=compute, writer=f"mtpkit distill --out {Path(records).resolve()}",
+                                  compute=compute, writer=writer_name(records),
                                   fresh=True)
         offsets = np.concatenate([[0], np.cumsum([len(d) for d, _ in docs])])
         by_shard: dict[int, list[int]] = {}

@@ -125,6 +125,22 @@ def read_distilled(records, tokenizer) -> tuple[list[Path], list[dict], list[tup
     return files, raw, tokenize_documents(raw, tokenizer, "tokens")
 
 
+def check_writer(out, writer: str) -> None:
+    """Refuse a features directory `out` that holds other files, or features another writer made (a directory
+    from before writers were recorded is anyone's)."""
+    out = Path(out).expanduser()
+    if not out.is_dir():
+        return
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in _OWN and not p.name.endswith(".tmp"))
+    if foreign:
+        raise DataError(f"{out} holds files a features directory does not ({', '.join(foreign[:3])}): give "
+                        "another directory")
+    made_by = json.loads((out / "meta.json").read_text()).get("writer") if (out / "meta.json").exists() else None
+    if made_by not in (None, writer):
+        raise DataError(f"{out} holds features written by {made_by}, not by this {writer}: give another "
+                        "directory")
+
+
 def open_features(identity: dict, vocab_size: int, files, docs, out, *, topk: int, hidden_dtype: str, compute: str,
                   writer: str, fresh: bool = False) -> tuple[dict[str, np.ndarray], int]:
     """The features directory `out` for `docs` of a trunk with `identity` (`model_identity`) computing in
@@ -143,17 +159,10 @@ def open_features(identity: dict, vocab_size: int, files, docs, out, *, topk: in
             "tokens": int(sum(len(d) for d, _ in docs)), "hidden_dtype": hidden_dtype, "topk": topk,
             "compute": compute, "writer": writer, "sources": [str(f) for f in files]}
     out = Path(out).expanduser()
+    check_writer(out, writer)
     out.mkdir(parents=True, exist_ok=True)
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in _OWN and not p.name.endswith(".tmp"))
-    if foreign:
-        raise DataError(f"{out} holds files a features directory does not ({', '.join(foreign[:3])}): give "
-                        "another directory")
-    if fresh and (out / "meta.json").exists():
-        made_by = json.loads((out / "meta.json").read_text()).get("writer")
-        if made_by != writer:
-            raise DataError(f"{out} holds features written by {made_by or 'mtpkit features'}, not {writer}: give "
-                            "another directory (this run would replace them)")
-        (out / "meta.json").unlink()
+    if fresh:
+        (out / "meta.json").unlink(missing_ok=True)
     new = not (out / "meta.json").exists()
     if not new:
         old = json.loads((out / "meta.json").read_text())

@@ -27,21 +27,20 @@ class OutputLock:
     def __init__(self, path, what: str):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._file = open(self.path, "a+b")  # a file object: dropping an unreleased lock closes it (and unlocks)
+        fd = self._file.fileno()
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(self._fd, 200, 0).decode(errors="replace").strip() or "unknown"
-            os.close(self._fd)
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            self.release()
             raise OutputBusy(f"{what} is being written by another process ({holder}; lock {self.path}): wait for "
                              "it to finish, or write to another output") from None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the descriptor releases the flock
-            self._fd = None
+        self._file.close()  # closing the descriptor releases the flock
 
     def __enter__(self) -> OutputLock:
         return self

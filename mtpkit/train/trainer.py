@@ -31,6 +31,7 @@ from ..checkpoint.hf import hf_config_dict
 from ..data.build import build_data
 from ..data.images import batch_rows
 from ..data.packing import DataLoader
+from ..locking import OutputLock
 from ..models.multimodal import load_processor
 from ..parallel.apply import parallelize
 from ..parallel.distributed import all_reduce_sum, barrier, init_distributed, shutdown
@@ -141,8 +142,14 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
         self.step = 0
         self.last_checkpoint: Path | None = None
-        self._write_run_files()
-        self._maybe_resume()
+        self._lock: OutputLock | None = None
+        self._hold_run_dir()
+        try:
+            self._maybe_resume()  # its checks (the checkpoint's model and config) before any run file is written
+            self._write_run_files()
+        except BaseException:
+            self._release_run_dir()
+            raise
 
         self.flops_per_token = flops_per_token(self.model_config, cfg.data.seq_len, cfg.mtp.depth, cfg.mtp.only)
         self.peak = peak_flops(self.device, cfg.log.peak_tflops)
@@ -150,6 +157,16 @@ class Trainer:
         self._stop_requested = False
 
     # -------------------------------------------------------------------------------------------------- run files
+    def _hold_run_dir(self) -> None:
+        """One trainer per run directory (rank 0 holds it for all ranks) from the checks to the end of fit."""
+        if self.dist.is_main and self._lock is None:
+            self._lock = OutputLock(self.run_dir / "writer.lock", f"run directory {self.run_dir}")
+
+    def _release_run_dir(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
     def _write_run_files(self) -> None:
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -367,6 +384,7 @@ class Trainer:
         from tqdm import tqdm
 
         cfg = self.cfg
+        self._hold_run_dir()
         self._tb = None
         if cfg.log.tensorboard and self.dist.is_main:
             try:
@@ -412,6 +430,7 @@ class Trainer:
             ):
                 self.save()
         finally:
+            self._release_run_dir()
             bar.close()
             for sig, h in handlers.items():
                 signal.signal(sig, h)
@@ -426,6 +445,7 @@ class Trainer:
     def close(self) -> None:
         """Free the (sharded) model and optimizer, then shut the process group down. Sharded tensors that outlive
         the process group after a DCP save made ~1 in 6 gloo runs abort at interpreter exit."""
+        self._release_run_dir()
         if self.dist.enabled:
             import gc
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .errors import MtpkitError
+
 
 def load_tokenizer(path):
     """An HF tokenizer from a model directory, or from a .gguf file's metadata."""
@@ -14,8 +16,12 @@ def load_tokenizer(path):
         raise FileNotFoundError(f"tokenizer path {p} does not exist")
     try:
         if p.suffix == ".gguf":
-            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+            from .checkpoint.gguf import load_gguf_tokenizer
+
+            return load_gguf_tokenizer(p)
         return AutoTokenizer.from_pretrained(str(p))
+    except MtpkitError:  # already says what is wrong with the files
+        raise
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load a tokenizer from {p} ({e}): point to an HF tokenizer directory") from None
 

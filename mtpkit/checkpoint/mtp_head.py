@@ -4,6 +4,7 @@ stale head for a refreshed one without rewriting the whole checkpoint."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -22,6 +23,15 @@ _SEQUENTIAL, _PARALLEL = ("mtp.", "mtp_num_hidden_layers"), ("mtp_heads.", "mtp_
 _WIDTH = "mtp_parallel_intermediate_size"  # parallel heads' MLP width, when not the trunk's
 
 
+TRUNK = "trunk"  # metadata key: the JSON of trunk_identity(config) of the model the head was trained on
+
+
+def trunk_identity(config) -> dict:
+    """What a head's weights assume of its trunk beyond tensor shapes: its vocabulary (the token ids the head
+    embeds and predicts), rotary base and width. A head grafted onto another trunk loads and drafts garbage."""
+    return {"vocab size": config.vocab_size, "rope theta": config.rope_theta, "hidden size": config.hidden_size}
+
+
 def save_mtp_head(model, path, dtype: torch.dtype | None = torch.bfloat16, *, overwrite: bool = False) -> Path:
     """Write the model's head, `mtp.*` (sequential MTP) or `mtp_heads.*` (parallel heads), cast to dtype (None
     keeps theirs), to one safetensors file, through a temporary sibling that is fsynced and renamed into place.
@@ -36,7 +46,7 @@ def save_mtp_head(model, path, dtype: torch.dtype | None = torch.bfloat16, *, ov
     }
     if head.draft_vocab is not None:
         tensors[DRAFT_VOCAB] = head.draft_vocab.to("cpu", torch.long).contiguous()
-    meta = {"format": "pt", key: str(len(head.layers))}
+    meta = {"format": "pt", key: str(len(head.layers)), TRUNK: json.dumps(trunk_identity(model.config))}
     if head is model.mtp_heads and model.config.mtp_parallel_intermediate_size:
         meta[_WIDTH] = str(model.config.mtp_parallel_intermediate_size)
     return write_file(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta), overwrite=overwrite)

@@ -13,7 +13,7 @@ import torch
 
 from ..data.features import HIDDEN_DTYPES, VERSION, array_shapes, bf16_to_numpy, load_array, model_identity
 from ..data.reading import DataError, read_records
-from ..data.tokenizing import tokenize_documents
+from ..data.tokenizing import token_record_problem, tokenize_documents
 from ..locking import OutputLock
 
 _FILLED = ("hidden", "topk_ids", "topk_logprobs")  # the arrays the trunk's forwards fill
@@ -119,7 +119,7 @@ def read_distilled(records, tokenizer) -> tuple[list[Path], list[dict], list[tup
     for f in files:
         if not f.is_file():
             raise FileNotFoundError(f"records file {f} does not exist")
-    raw = read_records(files, "jsonl", "input_ids", whole=True)
+    raw = read_records(files, "jsonl", "input_ids", whole=True, check=token_record_problem)
     if not raw:
         raise DataError(f"no records in {', '.join(map(str, files))}")
     return files, raw, tokenize_documents(raw, tokenizer, "tokens")

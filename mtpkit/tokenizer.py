@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .chat_template import apply_chat_template
 from .errors import MtpkitError
 
 
@@ -35,7 +36,7 @@ def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool = False) -> li
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat prompts need a tokenizer with a chat template; this one has none")
         turns = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        out = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+        out = apply_chat_template(tokenizer, turns, add_generation_prompt=True, tokenize=True)
         ids = list(out["input_ids"] if hasattr(out, "keys") else out)
     if not ids:
         raise ValueError(f"the prompt {prompt!r} encodes to no tokens: give some text")

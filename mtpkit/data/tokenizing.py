@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..chat_template import apply_chat_template
 from .reading import DataError
 
 
@@ -23,7 +24,7 @@ def chat_tokens(tokenizer, messages: list[dict]) -> tuple[np.ndarray, np.ndarray
         raise DataError("a chat message has a list of parts (images?): set data.images = true for image data")
 
     def render(msgs, gen=False):
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        return apply_chat_template(tokenizer, msgs, tokenize=False, add_generation_prompt=gen)
 
     full = render(messages)
     spans = []

@@ -113,6 +113,9 @@ class Trainer:
         self.tokenizer = load_tokenizer(tokenizer_path(cfg))
         self.processor = load_processor(tokenizer_path(cfg)) if cfg.data.images else None
         model = build_train_model(cfg)
+        if cfg.data.seq_len > model.config.max_position_embeddings:  # rotary positions it was never trained at
+            raise ValueError(f"data.seq_len = {cfg.data.seq_len} is beyond the model's max_position_embeddings "
+                             f"({model.config.max_position_embeddings}): lower data.seq_len to at most that")
         if len(self.tokenizer) > model.config.vocab_size:
             raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is "
                              f"{model.config.vocab_size}: use the model's own tokenizer")

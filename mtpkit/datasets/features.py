@@ -199,6 +199,7 @@ def build_features(model, tokenizer, records, out, *, topk: int = 0, hidden_dtyp
         raise ValueError("batch_tokens and row_tokens must be >= 1")
     files, _, docs = read_distilled(records, tokenizer)
     out = Path(out).expanduser()
+    check_writer(out, "mtpkit features")  # before the lock file goes into a directory that is not ours
     with writer_lock(out):
         return _fill(model, docs, out, *open_features(
             model_identity(model), model.config.vocab_size, files, docs, out, topk=topk, hidden_dtype=hidden_dtype,

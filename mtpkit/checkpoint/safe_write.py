@@ -91,7 +91,7 @@ def recover(out) -> None:
     pattern = re.compile(rf"\.{re.escape(out.name)}\.(\d+)\.(tmp|old)")
     for p in sorted(out.parent.glob(f".{glob.escape(out.name)}.*"), key=lambda p: p.name.endswith(".tmp")):
         m = pattern.fullmatch(p.name)
-        if m is None or int(m[1]) == os.getpid() or _alive(int(m[1])):
+        if m is None or (int(m[1]) != os.getpid() and _alive(int(m[1]))):  # another live writer's
             continue
         if m[2] == "old" and not out.exists():
             os.replace(p, out)
@@ -117,8 +117,6 @@ def write_dir(out, fill: Callable[[Path], None], *, overwrite: bool = False) -> 
     check_target(out, overwrite, is_file=False)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp, aside = (out.with_name(f".{out.name}.{os.getpid()}.{kind}") for kind in ("tmp", "old"))
-    for left in (tmp, aside):  # this process's own, from a write that raised
-        shutil.rmtree(left, ignore_errors=True)
     tmp.mkdir()
     try:
         fill(tmp)
@@ -131,7 +129,12 @@ def write_dir(out, fill: Callable[[Path], None], *, overwrite: bool = False) -> 
         fsync(tmp)
         if out.exists():
             os.replace(out, aside)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except BaseException:
+            if aside.exists():
+                os.replace(aside, out)
+            raise
         fsync(out.parent)
         shutil.rmtree(aside, ignore_errors=True)
     finally:

@@ -50,9 +50,11 @@ def distill_words(tokenizer) -> list[str]:
 
 
 def run(args) -> int:
+    from ..datasets.distill import check_output
     from ..locking import OutputLock
 
     out = Path(args.out)
+    check_output(out)  # a foreign file gets no lock file beside it (checked again under the lock)
     with OutputLock(out.with_name(out.name + ".lock"), f"distill output {out}"):
         return _run(args, out)
 

@@ -179,3 +179,21 @@ def test_weight_files_are_written_with_the_usual_mode(tmp_path):
     assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "m").iterdir()} == {
         "config.json": 0o666 & ~umask, "model.safetensors": 0o666 & ~umask}
     assert (tmp_path / "m").stat().st_mode & 0o777 == 0o777 & ~umask
+
+
+def test_a_failed_swap_puts_the_old_directory_back(tmp_path, monkeypatch):
+    from mtpkit.checkpoint import safe_write
+
+    out = tmp_path / "m"
+    mtpkit.save_model(tiny_model(0), out)
+    real = os.replace
+
+    def fails_into_place(a, b):
+        if str(b) == str(out) and ".tmp" in str(a):
+            raise OSError(5, "Input/output error")
+        real(a, b)
+
+    monkeypatch.setattr(safe_write.os, "replace", fails_into_place)
+    with pytest.raises(OSError, match="Input/output error"):
+        mtpkit.save_model(tiny_model(1), out, overwrite=True)
+    assert _equal(mtpkit.load_model(out), tiny_model(0)) and sorted(p.name for p in tmp_path.iterdir()) == ["m"]

@@ -65,8 +65,7 @@ def test_an_out_holding_someone_elses_data_is_left_alone(models, tmp_path, capsy
     out.write_text(content)
     assert main(_args(models[0], out)) == 2
     _refused(capsys, "mtpkit distill did not write", "new file")
-    assert out.read_text() == content and sorted(p.name for p in tmp_path.iterdir()) == ["notes.jsonl",
-                                                                                          "notes.jsonl.lock"]
+    assert out.read_text() == content and sorted(p.name for p in tmp_path.iterdir()) == ["notes.jsonl"]
 
 
 def test_features_of_mtpkit_features_are_not_replaced(models, tmp_path, capsys):

@@ -31,7 +31,7 @@ from ..models.config import ConfigError, config_from_hf, text_config_dict
 from ..models.mtp import is_mtp_param
 from ..models.transformer import CausalLM, CheckpointInfo
 from .hf import CheckpointError, _SafetensorsDir, checkpoint_state_dict
-from .mtp_head import TRUNK, trunk_identity
+from .mtp_head import TRUNK, trunk_difference, trunk_identity
 from .safe_write import write_dir
 
 HEAD_FILE = "mtp.safetensors"
@@ -130,11 +130,11 @@ def check_fit(head: Head, raw: dict, base, target) -> None:
         config = config_from_hf(raw)
     except ConfigError as e:
         raise CheckpointError(f"{target}: {e}") from None
-    have = trunk_identity(config)
-    for what, value in head.trunk.items():
-        if what in have and value != have[what]:
-            raise CheckpointError(f"{base} has {what} {value} but {target} has {have[what]}: the head was trained "
-                                  "on another model's trunk; graft a head of this model")
+    differs = trunk_difference(head.trunk, config)
+    if differs:
+        what, theirs, ours = differs
+        raise CheckpointError(f"{base} has {what} {theirs} but {target} has {ours}: the head was trained on another "
+                              "model's trunk; graft a head of this model")
     if config.mtp_num_hidden_layers < 1:
         raise CheckpointError(f"{base}'s config.json sets mtp_num_hidden_layers = 0 but it holds mtp.* tensors: set "
                               "it to the number of MTP layers")

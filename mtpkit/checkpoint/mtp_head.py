@@ -32,6 +32,13 @@ def trunk_identity(config) -> dict:
     return {"vocab size": config.vocab_size, "rope theta": config.rope_theta, "hidden size": config.hidden_size}
 
 
+def trunk_difference(recorded: dict, config) -> tuple[str, object, object] | None:
+    """The first entry of a head's recorded trunk that a model of `config` does not share: (what, the head's, the
+    model's), or None."""
+    have = trunk_identity(config)
+    return next(((what, v, have[what]) for what, v in recorded.items() if what in have and v != have[what]), None)
+
+
 def save_mtp_head(model, path, dtype: torch.dtype | None = torch.bfloat16, *, overwrite: bool = False) -> Path:
     """Write the model's head, `mtp.*` (sequential MTP) or `mtp_heads.*` (parallel heads), cast to dtype (None
     keeps theirs), to one safetensors file, through a temporary sibling that is fsynced and renamed into place.
@@ -113,6 +120,14 @@ def load_mtp_head(model, path):
     wrong = [f"{n} {tuple(s)} (model: {tuple(expected[n])})" for n, s in shapes.items() if s != expected[n]]
     if wrong:
         raise CheckpointError(f"{path} was trained for another model size: {'; '.join(wrong[:3])}")
+    try:
+        differs = trunk_difference(json.loads(meta.get(TRUNK, "{}")), model.config)  # older head files: not recorded
+    except (ValueError, AttributeError):
+        raise CheckpointError(f"{path}: its {TRUNK} metadata is not a JSON object: the file is corrupt") from None
+    if differs:
+        what, theirs, ours = differs
+        raise CheckpointError(f"{path} was trained on another model's trunk ({what} {theirs}, this model's {ours}): "
+                              "attach it to the model it was trained with")
     ref = model.model.embed_tokens.weight
     try:
         state = {n[len(prefix):]: f.get_tensor(n).to(device=ref.device, dtype=ref.dtype, copy=True) for n in shapes}

@@ -47,7 +47,7 @@ def check_or_write_manifest(path, record: dict, output: str, fix: str) -> None:
         tmp.replace(path)
         return
     then, now = _flat(old), _flat(json.loads(json.dumps(record)))  # as it would read back
-    diff = [f"{k} {then.get(k)!r}, now {now.get(k)!r}" for k in sorted(then.keys() | now.keys())
-            if then.get(k) != now.get(k)]
+    # a key only one side has was added or dropped by another mtpkit version: not a difference of the run
+    diff = [f"{k} {then[k]!r}, now {now[k]!r}" for k in sorted(then.keys() & now.keys()) if then[k] != now[k]]
     if diff:
         raise MtpkitError(f"{output} was started with other settings ({'; '.join(diff)}; see {path}): {fix}")

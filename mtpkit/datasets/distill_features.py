@@ -16,17 +16,30 @@ of each record holds zeros: no token of the record follows it, so no training ta
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..data.reading import DataError
 from .features import mark_done, open_features, read_distilled, stored_hidden, topk_logprobs, writer_lock
 
 
 def writer_name(records) -> str:
     """Who a features directory assembled from the distillation output `records` was written by."""
     return f"mtpkit distill --out {Path(records).resolve()}"
+
+
+def _read_shard(path: Path, names) -> dict[str, np.ndarray]:
+    """The arrays `names` of a shard (those it holds); a damaged shard (a disk error: writes go through an
+    fsynced rename) named in one line."""
+    try:
+        with np.load(path) as z:
+            return {name: z[name] for name in names if name in z.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        raise DataError(f"hidden-state shard {path} is damaged ({type(e).__name__}: {e}): distill again into a "
+                        "new --out, or build the features with `mtpkit features`") from None
 
 
 class HiddenCapture:
@@ -92,10 +105,10 @@ class HiddenShards:
         files, raw, docs = read_distilled(records, tokenizer)
         where = {}  # prompt index -> (shard, first row, rows); a later shard replaces a left-over one
         for s, path in enumerate(self.paths()):
-            with np.load(path) as z:
-                starts = np.concatenate([[0], np.cumsum(z["stored"])])
-                for j, i in enumerate(z["index"].tolist()):
-                    where[i] = (s, int(starts[j]), int(z["stored"][j]))
+            z = _read_shard(path, ("index", "stored"))
+            starts = np.concatenate([[0], np.cumsum(z["stored"])])
+            for j, i in enumerate(z["index"].tolist()):
+                where[i] = (s, int(starts[j]), int(z["stored"][j]))
         missing = [r["index"] for r in raw if r["index"] not in where]
         if missing:
             raise ValueError(f"{records}: {len(missing)} records have no hidden-state shard in {self.root} (e.g. "
@@ -111,11 +124,10 @@ class HiddenShards:
         names = ["hidden"] + (["topk_ids", "topk_logprobs"] if topk else [])
         paths = self.paths()
         for s, recs in by_shard.items():
-            with np.load(paths[s]) as z:
-                if topk and ("topk_ids" not in z.files or z["topk_ids"].shape[1] < topk):
-                    raise ValueError(f"{paths[s]} holds fewer than the top-{topk}: use the --topk the run was "
-                                     "distilled with")
-                shard = {name: z[name] for name in names}
+            shard = _read_shard(paths[s], names)
+            if topk and ("topk_ids" not in shard or shard["topk_ids"].shape[1] < topk):
+                raise ValueError(f"{paths[s]} holds fewer than the top-{topk}: use the --topk the run was "
+                                 "distilled with")
             for r in recs:
                 _, a, n = where[raw[r]["index"]]
                 for name in names:

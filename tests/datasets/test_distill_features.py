@@ -130,6 +130,18 @@ def test_records_without_shards_and_a_short_topk_are_refused(tiny, tmp_path):
         _assemble(model, tok, shards, tmp_path / "e.jsonl", tmp_path / "f")
 
 
+def test_a_damaged_shard_is_named_in_one_line(tiny, tmp_path):
+    """Two runs on one --out once left a shard with a bad checksum: every later run, a BadZipFile traceback."""
+    from mtpkit.data.reading import DataError
+
+    model_dir, tok, prompts = tiny
+    model, shards, _ = _distill(model_dir, tok, prompts[:3], tmp_path / "d.jsonl")
+    shards.paths()[0].write_bytes(b"PK\x03\x04 a torn zip")
+    with pytest.raises(DataError, match=r"hidden-state shard .*000000\.npz is damaged \(BadZipFile") as e:
+        _assemble(model, tok, shards, tmp_path / "d.jsonl", tmp_path / "f")
+    assert "\n" not in str(e.value)
+
+
 def test_training_never_reads_a_records_last_position(tiny, tmp_path):
     from test_features import _raw, _steps
 

@@ -1,242 +1,453 @@
 """The fine-tuning experiment (docs/MTP.md section 5): does training with the MTP loss keep a released head aligned?
 
 SmolLM2-135M-Instruct with mtpkit's shipped head stands in for a released model with MTP. Every arm fine-tunes it on
-Shakespeare's plays (three held out) with the same data, steps and seeds (configs/smollm2_shakespeare_finetune.toml;
-a seed also sets the data order):
+the same Python sources of installed packages (`mtpkit.datasets.code_corpus`: whole files, never seen by the head),
+with the same data order, steps and seed:
   a    main loss only (mtp.depth = 0: the head is dropped, as transformers-based tools do), the base head grafted back
   b01  main + 0.1 x MTP loss, joint          b03  the same with 0.3
   c    the trunk from the main loss, the head from the isolated MTP loss (mtp.detach_trunk)
-  d    a, then an MTP-only refresh of the grafted head on the fine-tuned model's own greedy continuations of
-       passages of the training plays (mtpkit distill's records, data.mode = "tokens")
-Each arm is measured on held-out text of the three plays (main loss) and, drafting over the shipped head's
-vocabulary, on held-out passages and on the benchmark's general prompts (mean acceptance length at k = 1..3 and
-speedup over plain decoding, greedy, batch 1). Every stage is kept on disk and skipped when rerun.
+  d    a, then `mtpkit refresh` (MTP-only on the fine-tuned model's own continuations of training-file prompts)
+  e    b01, then the same refresh
+The MTP loss trains the head's one layer at three chained depths with FastMTP's weights [0.51, 0.31, 0.18] x lambda,
+as it drafts at k = 3. Every model is measured on held-out files (main loss, 1,024-token windows), on the base
+model's own answers to the 60 general benchmark prompts (main loss: what the fine-tune costs the model's general
+behaviour), and by greedy speculative decoding over the full vocabulary of prompts cut mid-file from held-out files
+(domain) and of the general prompts: mean acceptance length at k = 1..3 per prompt (standard errors over prompts,
+paired between arms), per-position acceptance, and whether every speculative row equals plain decoding. Speedup over
+plain decoding (batch 1, medians of interleaved repeats) is timed last, for as many models as the time allows.
 
-    python scripts/finetune_alignment.py --out runs/alignment [--seeds 0,1] [--arms a,b01,b03,c,d]
+Every stage is kept under --out and skipped when rerun; --deadline-minutes stops starting new stages in time to
+write the results (results.json, table.md, alignment.png).
+
+    python scripts/finetune_alignment.py --out runs/alignment --device cuda --seeds 0,1   # the full run (GPU)
+    python scripts/finetune_alignment.py --out runs/alignment_tiny --device cpu --tiny    # a check of the script
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
-import subprocess
+import math
+import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 import mtpkit
-from mtpkit.assets import cache_dir, default_gguf_path
-from mtpkit.bench.speedup import DEFAULT_HEAD, DEFAULT_PROMPTS, Prompt, encode_prompts, read_prompts, resource, run_bench
+from mtpkit.assets import default_gguf_path
+from mtpkit.bench.acceptance_se import mean_length_se, paired_difference_se
+from mtpkit.bench.speedup import DEFAULT_HEAD, DEFAULT_PROMPTS, read_prompts, resource
 from mtpkit.checkpoint.graft import graft
 from mtpkit.checkpoint.hf import save_model
 from mtpkit.checkpoint.mtp_head import load_mtp_head
-from mtpkit.datasets.distill import distill
-from mtpkit.datasets.shakespeare import shakespeare_texts
-from mtpkit.tokenizer import load_tokenizer
+from mtpkit.datasets.code_corpus import build_code_corpus, cut_prompts, read_corpus
+from mtpkit.tokenizer import encode_prompt, load_tokenizer
+from mtpkit.train.config import config_from_dict
+from mtpkit.train.export import export
+from mtpkit.train.refresh import FASTMTP_WEIGHTS, refresh
+from mtpkit.train.trainer import train
 
 ROOT = Path(__file__).resolve().parent.parent
-RECIPE = ROOT / "configs" / "smollm2_shakespeare_finetune.toml"
-HELD_OUT = ("othello_gut.txt", "tempest_gut.txt", "twelfth_night_gut.txt")
-ARMS = {
-    "a": ["--mtp.depth=0"],
-    "b01": ["--mtp.mtp_lambda=0.1"],
-    "b03": ["--mtp.mtp_lambda=0.3"],
-    "c": ["--mtp.detach_trunk=true"],
+GENERAL_PROMPTS = (resource(DEFAULT_PROMPTS), ROOT / "docs/bench/heldout_prompts.jsonl",
+                   ROOT / "docs/bench/heldout2_prompts.jsonl")
+ARMS = {  # arm -> the [mtp] section of its fine-tune (None: the refresh of another arm)
+    "a": {"depth": 0},
+    "b01": {"mtp_lambda": 0.1},
+    "b03": {"mtp_lambda": 0.3},
+    "c": {"mtp_lambda": 0.1, "detach_trunk": True},
+    "d": None,
+    "e": None,
 }
+REFRESHED = {"d": "a", "e": "b01"}
+# sizes: (train tokens per arm, rows per step, seq_len, domain prompts, general prompts, new tokens, loss windows,
+# refresh prompts, timed prompts)
+FULL = dict(train_tokens=2_097_152, batch=32, seq_len=1024, domain_prompts=128, general_prompts=60, new_tokens=160,
+            loss_windows=64, refresh_prompts=2048, timed_prompts=4)
+TINY = dict(train_tokens=2048, batch=2, seq_len=256, domain_prompts=4, general_prompts=3, new_tokens=16,
+            loss_windows=2, refresh_prompts=12, timed_prompts=1)
 KS = (1, 2, 3)
 
 
-def speeches(path: Path, min_words: int = 40) -> list[str]:
-    """The play's paragraphs (speeches, stage directions) long enough to prompt with."""
-    paras = [p.strip() for p in path.read_text(encoding="utf-8", errors="replace").split("\n\n")]
-    return [p for p in paras if len(p.split()) >= min_words]
+class Deadline:
+    def __init__(self, minutes: float | None):
+        self.end = None if minutes is None else time.monotonic() + 60 * minutes
+
+    def allows(self, seconds: float) -> bool:
+        return self.end is None or time.monotonic() + seconds < self.end
 
 
-def prepare(out: Path, n_prompts: int) -> dict:
-    """The base model directory (SmolLM2 + the shipped head, HF layout), the training plays and the held-out
-    passages: prompts (their first ~60 words) and evaluation text."""
-    texts = shakespeare_texts(cache_dir() / "shakespeare")
-    train_dir = out / "plays"
-    if not train_dir.exists():
-        train_dir.mkdir(parents=True)
-        for f in sorted(texts.glob("*.txt")):
-            if f.name not in HELD_OUT:
-                (train_dir / f.name).symlink_to(f.resolve())
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def prepare(out: Path, corpus: Path, tok, size: dict) -> dict:
+    """The base model directory (SmolLM2 + the shipped head, HF layout), the corpus, and the evaluation sets:
+    domain prompts, held-out loss windows, general prompts and the refresh prompts (cut from training files)."""
     base = out / "base"
     if not base.exists():
         gguf = default_gguf_path()
-        model = load_mtp_head(mtpkit.load_model(gguf), resource(DEFAULT_HEAD))
-        save_model(model, base, load_tokenizer(gguf))
-    rng = random.Random(0)
-    held = [s for name in HELD_OUT for s in speeches(texts / name)]
-    rng.shuffle(held)
-    domain = [Prompt(" ".join(s.split()[:60]), False, "shakespeare") for s in held[:n_prompts]]
-    train_passages = [s for f in sorted(train_dir.glob("*.txt")) for s in speeches(f)]
-    rng.shuffle(train_passages)
-    return {"base": base, "train_dir": train_dir, "domain": domain, "eval_text": held[n_prompts:n_prompts + 64],
-            "refresh_prompts": [" ".join(s.split()[:60]) for s in train_passages[:256]]}
+        save_model(load_mtp_head(mtpkit.load_model(gguf), resource(DEFAULT_HEAD)), base, load_tokenizer(gguf))
+    if not (corpus / "manifest.json").exists():
+        build_code_corpus(corpus, tok, train_tokens=int(size["train_tokens"] * 1.05))
+    sets_path = out / "eval_sets.json"
+    if sets_path.exists():
+        return {"base": base, **json.loads(sets_path.read_text())}
+    held = read_corpus(corpus / "heldout.jsonl")
+    domain = cut_prompts(held, tok, size["domain_prompts"], context_tokens=512, min_left=size["new_tokens"] + 64)
+    prompt_files = {p["path"] for p in domain}
+    windows = []
+    for doc in held:  # loss windows from held-out files that gave no prompt
+        ids = tok(doc["text"])["input_ids"]
+        if doc["path"] not in prompt_files and len(ids) >= size["seq_len"]:
+            windows.append(ids[: size["seq_len"]])
+        if len(windows) == size["loss_windows"]:
+            break
+    general = [p for f in GENERAL_PROMPTS for p in read_prompts(f)][: size["general_prompts"]]
+    general = [{"prompt": p.text, "chat": p.chat, "kind": p.kind} for p in general]
+    train_docs = read_corpus(corpus / "train.jsonl")
+    refresh_prompts = cut_prompts(train_docs, tok, size["refresh_prompts"], context_tokens=512, min_left=128, seed=1)
+    sets = {"domain": domain, "windows": windows, "general": general, "refresh_prompts": refresh_prompts}
+    sets_path.write_text(json.dumps(sets))
+    with (out / "refresh_prompts.jsonl").open("w") as f:
+        f.writelines(json.dumps({"prompt": p["prompt"], "kind": "code"}) + "\n" for p in refresh_prompts)
+    with (out / "refresh_eval_prompts.jsonl").open("w") as f:
+        f.writelines(json.dumps({"prompt": p["prompt"], "kind": "code"}) + "\n" for p in domain[:16])
+    return {"base": base, **sets}
 
 
-def train(run_dir: Path, base: Path, data: list[str], extra: list[str], seed: int) -> float:
-    """`mtpkit train` of the recipe (skipped when run_dir holds a finished run); returns its wall seconds."""
-    done = run_dir / "wall_seconds.txt"
-    if done.exists():
-        return float(done.read_text())
+def general_answers(setup: dict, out: Path, device, new_tokens: int) -> list[list[int]]:
+    """The base model's greedy answers to the general prompts (prompt + answer ids): the general loss text."""
+    path = out / "general_answers.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    model = mtpkit.load_model(setup["base"]).eval().to(device)
+    tok = load_tokenizer(setup["base"])
+    rows = [encode_prompt(tok, p["prompt"], p["chat"]) for p in setup["general"]]
+    res = mtpkit.generate(model, rows, max_new_tokens=2 * new_tokens, eos_token_id=tok.eos_token_id)
+    answers = [[r, t] for r, t in zip(rows, res.tokens)]
+    path.write_text(json.dumps(answers))
+    return answers
+
+
+def model_dir(out: Path, key: str) -> Path:
+    """Where the model measured as `key` ("base" or "ARM/seedN") lives."""
+    if key == "base":
+        return out / "base"
+    arm, seed = key.split("/")
+    return out / arm / seed / ("grafted" if arm == "a" else "hf")
+
+
+def fine_tune(arm: str, seed: int, setup: dict, corpus: Path, out: Path, device, size: dict) -> tuple[Path, float]:
+    """Fine-tune the base model as arm `arm` (seed: init and data order); returns its HF directory with a head
+    (arm a: the base head grafted back) and the wall seconds of training."""
+    run = out / arm / f"seed{seed}"
+    hf = model_dir(out, f"{arm}/seed{seed}")
+    done = run / "wall_seconds.txt"
+    if hf.exists() and done.exists():
+        return hf, float(done.read_text())
+    steps = max(1, size["train_tokens"] // (size["batch"] * size["seq_len"]))
+    mtp = dict(ARMS[arm])
+    if mtp.get("depth", 3):
+        lam = mtp.pop("mtp_lambda")
+        mtp.update(depth=3, layers=1, init="checkpoint", weights=[lam * w for w in FASTMTP_WEIGHTS])
+    cfg = config_from_dict({
+        "model": {"path": str(setup["base"])},
+        "mtp": mtp,
+        "data": {"paths": [str(corpus / "train.jsonl")], "text_field": "text", "seq_len": size["seq_len"],
+                 "seed": 1000 + seed},
+        "train": {"run_dir": str(run / "run"), "steps": steps, "batch_size": size["batch"], "device": device.type,
+                  "seed": seed, "autocast": "bf16" if device.type == "cuda" else "fp32"},
+        "optim": {"lr": 2e-4, "warmup_steps": max(1, steps // 20), "weight_decay": 0.0},
+        "checkpoint": {"every": 0, "keep": 1},
+        "log": {"every": max(1, steps // 8), "progress": False},
+    })
     start = time.perf_counter()
-    cmd = [sys.executable, "-m", "mtpkit", "train", str(RECIPE), f"--model.path={base}", f"--train.run_dir={run_dir}",
-           f"--train.seed={seed}", f"--data.seed={1234 + seed}", f"--data.paths={json.dumps(data)}", *extra]
-    subprocess.run(cmd, check=True)
+    train(cfg)
     seconds = time.perf_counter() - start
+    export(run / "run", run / "hf", overwrite=True)
+    shutil.rmtree(run / "run" / "checkpoints", ignore_errors=True)  # the exported weights are what is measured
+    if arm == "a":  # what a transformers-based tool's fine-tune gets: the base head copied back
+        graft(setup["base"], run / "hf", hf)
+        shutil.rmtree(run / "hf")
     done.write_text(f"{seconds:.1f}")
-    return seconds
-
-
-def export(run_dir: Path, out: Path) -> Path:
-    if not out.exists():
-        subprocess.run([sys.executable, "-m", "mtpkit", "export", str(run_dir), "--out", str(out)], check=True)
-    return out
-
-
-def refresh_records(model_dir: Path, prompts: list[str], out: Path) -> Path:
-    """The fine-tuned model's own greedy continuations of training-play passages (resumes)."""
-    model = mtpkit.load_model(model_dir, mtp=False).eval()
-    tok = load_tokenizer(model_dir)
-    records = [{"prompt": p, "chat": False, "kind": "shakespeare"} for p in prompts]
-    distill(model, tok, records, out, max_new_tokens=64, batch_size=32)
-    return out
+    return hf, seconds
 
 
 @torch.inference_mode()
-def held_out_loss(model, tok, texts: list[str], seq_len: int = 256) -> float:
-    """Mean next-token cross-entropy of the trunk over the held-out passages (each cut to seq_len tokens)."""
+def losses(model, windows: list[list[int]], answers: list[list[list[int]]], device, batch: int = 16) -> dict:
+    """Mean next-token cross-entropy over the held-out windows (domain) and over the base model's answers (general:
+    the answer tokens only, after their prompts)."""
     total = count = 0.0
-    for t in texts:
-        bos = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
-        ids = torch.tensor([[bos, *tok.encode(t, add_special_tokens=False)[: seq_len - 1]]])
-        logits = model(ids).logits[0, :-1].float()
-        total += torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
-        count += ids.shape[1] - 1
-    return total / count
+    for s in range(0, len(windows), batch):
+        ids = torch.tensor(windows[s : s + batch], device=device)
+        logits = model(ids).logits[:, :-1].float()
+        total += F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum").item()
+        count += ids[:, 1:].numel()
+    domain = total / count
+    total = count = 0.0
+    for prompt, answer in answers:
+        if not answer:
+            continue
+        ids = torch.tensor([prompt + answer], device=device)
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+        total += F.cross_entropy(logits, ids[0, len(prompt):], reduction="sum").item()
+        count += len(answer)
+    return {"domain_loss": domain, "general_loss": total / count}
 
 
-def evaluate(model_dir: Path, setup: dict, general: list[Prompt], vocab: torch.Tensor, num_tokens: int) -> dict:
-    model = mtpkit.load_model(model_dir).eval()
-    model.drafter.draft_vocab = vocab  # every arm drafts over the shipped head's vocabulary, as deployed
+@torch.inference_mode()
+def acceptance(model, rows: list[list[int]], eos, new_tokens: int, batch: int) -> dict:
+    """Per k: the tokens kept per step of every prompt, per-position acceptance, identical to plain greedy."""
+    def run(k):
+        tokens, lengths, per_pos = [], [], [0] * k
+        for s in range(0, len(rows), batch):
+            res = mtpkit.generate(model, rows[s : s + batch], max_new_tokens=new_tokens, draft_tokens=k,
+                                  eos_token_id=eos)
+            tokens += res.tokens
+            lengths += res.accept_lengths
+            per_pos = [a + b for a, b in zip(per_pos, res.stats.get("accepted_per_position", []))]
+        return tokens, lengths, per_pos
+
+    plain, _, _ = run(0)
+    out = {"new_tokens": statistics.mean(map(len, plain))}
+    for k in KS:
+        tokens, lengths, per_pos = run(k)
+        mean, se = mean_length_se(lengths)
+        steps = sum(map(len, lengths))
+        out[str(k)] = {"mean_acceptance_length": mean, "se": se, "per_prompt": lengths,
+                       "accepted_per_position": [a / steps for a in per_pos], "identical": tokens == plain}
+    return out
+
+
+def evaluate(model_dir: Path, setup: dict, answers, device, size: dict) -> dict:
+    model = mtpkit.load_model(model_dir).eval().to(device)
     tok = load_tokenizer(model_dir)
-    result = {"held_out_loss": held_out_loss(model, tok, setup["eval_text"])}
-    for name, prompts in (("domain", setup["domain"]), ("general", general)):
-        prompts = encode_prompts([Prompt(p.text, p.chat, p.kind) for p in prompts], tok)
-        rep = run_bench(model, prompts, num_tokens=num_tokens, ks=list(KS), repeats=1, step_repeats=0,
-                        eos_token_id=tok.eos_token_id, progress=False)
-        result[name] = {str(r["draft_tokens"]): {"mean_acceptance_length": r["mean_acceptance_length"],
-                                            "speedup": r["speedup"], "identical": r["identical"]}
-                        for r in rep["runs"]}
+    result = losses(model, setup["windows"], answers, device)
+    batch = 128 if device.type == "cuda" else 4
+    for name in ("domain", "general"):
+        rows = [encode_prompt(tok, p["prompt"], p.get("chat", False)) for p in setup[name]]
+        result[name] = acceptance(model, rows, tok.eos_token_id, size["new_tokens"], batch)
     return result
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="runs/alignment")
-    ap.add_argument("--seeds", default="0")
-    ap.add_argument("--arms", default="a,b01,b03,c,d")
-    ap.add_argument("--prompts", type=int, default=8, help="held-out domain prompts (and general ones)")
-    ap.add_argument("--num-tokens", type=int, default=48)
-    ap.add_argument("--refresh-steps", type=int, default=30)
-    args = ap.parse_args()
-    out = Path(args.out)
-    setup = prepare(out, args.prompts)
-    general = read_prompts(resource(DEFAULT_PROMPTS))[: args.prompts]
-    vocab = load_mtp_head(mtpkit.load_model(default_gguf_path()), resource(DEFAULT_HEAD)).drafter.draft_vocab
-    results_path = out / "results.json"
-    results = json.loads(results_path.read_text()) if results_path.exists() else {}
-    if "base" not in results:
-        results["base"] = {"wall_seconds": 0.0, **evaluate(setup["base"], setup, general, vocab, args.num_tokens)}
-        results_path.write_text(json.dumps(results, indent=1))
-    plays = [str(setup["train_dir"])]
-    for seed in map(int, args.seeds.split(",")):
-        for arm in args.arms.split(","):
-            key = f"{arm}/seed{seed}"
-            if key in results:
-                continue
-            run = out / ("a" if arm == "d" else arm) / f"seed{seed}"  # d starts from a's fine-tune
-            wall = train(run, setup["base"], plays, ARMS["a" if arm == "d" else arm], seed)
-            model_dir = export(run, run / "hf")
-            if arm in ("a", "d"):  # what a transformers-based tool's fine-tune gets: the base head copied back
-                if not (run / "grafted").exists():
-                    graft(setup["base"], model_dir, run / "grafted")
-                model_dir = run / "grafted"
-            if arm == "d":
-                refresh = out / "d" / f"seed{seed}"
+@torch.inference_mode()
+def timed_speedup(model_dir: Path, setup: dict, device, size: dict, repeats: int = 3) -> dict:
+    """tokens/s of plain decoding and of k = 1..3 at batch 1 on the first domain prompts, each prompt's
+    configurations interleaved, `repeats` rounds; speedup = median speculative / median plain tokens/s."""
+    model = mtpkit.load_model(model_dir).eval().to(device)
+    tok = load_tokenizer(model_dir)
+    rows = [encode_prompt(tok, p["prompt"]) for p in setup["domain"][: size["timed_prompts"]]]
+    ks = (0, *KS)
+    for k in ks:  # warm-up: every configuration and prompt length once
+        mtpkit.generate(model, rows[:1], max_new_tokens=8, draft_tokens=k)
+    rates = {k: [] for k in ks}
+    for _ in range(repeats):
+        for row in rows:
+            for k in ks:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
                 start = time.perf_counter()
-                records = refresh_records(model_dir, setup["refresh_prompts"], refresh / "records.jsonl")
-                wall += time.perf_counter() - start
-                wall += train(refresh / "run", model_dir, [str(records)],
-                              ["--mtp.only=true", "--data.mode=tokens", f"--train.steps={args.refresh_steps}",
-                               "--optim.lr=3e-4", "--train.batch_size=4"], seed)
-                model_dir = export(refresh / "run", refresh / "hf")
-            results[key] = {"wall_seconds": wall, **evaluate(model_dir, setup, general, vocab, args.num_tokens)}
-            results_path.write_text(json.dumps(results, indent=1))
-            print(key, json.dumps(results[key]))
-    print(table(results))
-    print(f"plot: {plot(results, out / 'alignment.png')}")
-    return 0
+                res = mtpkit.generate(model, [row], max_new_tokens=size["new_tokens"], draft_tokens=k,
+                                      eos_token_id=tok.eos_token_id)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                rates[k].append(len(res.tokens[0]) / (time.perf_counter() - start))
+    plain = statistics.median(rates[0])
+    return {"plain_tokens_per_second": plain, "repeats": repeats, "prompts": len(rows),
+            **{str(k): statistics.median(rates[k]) / plain for k in KS}}
 
 
-def _by_arm(results: dict) -> dict[str, list[dict]]:
+def summary(results: dict) -> dict:
+    """Per arm, over its seeds: mean of each figure, and the SE over prompts (paired SE against the base for
+    acceptance, pooled over seeds as the mean of the per-seed SEs / sqrt(seeds))."""
     arms = {}
     for key, r in results.items():
         arms.setdefault(key.split("/")[0], []).append(r)
-    return arms
+    base = results.get("base")
+    table = {}
+    for arm, rs in arms.items():
+        row = {"seeds": len(rs), "domain_loss": statistics.mean(r["domain_loss"] for r in rs),
+               "general_loss": statistics.mean(r["general_loss"] for r in rs),
+               "wall_seconds": statistics.mean(r.get("wall_seconds", 0.0) for r in rs)}
+        for where in ("domain", "general"):
+            row[f"{where}_new_tokens"] = statistics.mean(r[where]["new_tokens"] for r in rs)
+            for k in map(str, KS):
+                row[f"{where}_k{k}"] = statistics.mean(r[where][k]["mean_acceptance_length"] for r in rs)
+                row[f"{where}_k{k}_se"] = statistics.mean(r[where][k]["se"] for r in rs) / math.sqrt(len(rs))
+                if base is not None and arm != "base":
+                    diffs = [paired_difference_se(r[where][k]["per_prompt"], base[where][k]["per_prompt"])
+                             for r in rs]
+                    row[f"{where}_k{k}_vs_base"] = statistics.mean(d for d, _ in diffs)
+                    row[f"{where}_k{k}_vs_base_se"] = statistics.mean(s for _, s in diffs) / math.sqrt(len(rs))
+                row[f"{where}_k{k}_identical"] = all(r[where][k]["identical"] for r in rs)
+        speed = [r["speedup"] for r in rs if "speedup" in r]
+        if speed:
+            row["speedup"] = {k: statistics.mean(s[k] for s in speed) for k in map(str, KS)}
+            row["plain_tokens_per_second"] = statistics.mean(s["plain_tokens_per_second"] for s in speed)
+        table[arm] = row
+    return table
 
 
-def plot(results: dict, path: Path) -> Path:
-    """Mean acceptance length against k per arm (domain and general prompts; seeds averaged) and the held-out loss."""
+def paired_vs(results: dict, arm: str, other: str, where: str = "domain", k: str = "1") -> tuple[float, float]:
+    """Mean over the seeds both arms have of arm - other (mean acceptance length), with its paired SE."""
+    seeds = [key.split("/")[1] for key in results if key.startswith(arm + "/")]
+    pairs = [paired_difference_se(results[f"{arm}/{s}"][where][k]["per_prompt"],
+                                  results[f"{other}/{s}"][where][k]["per_prompt"])
+             for s in seeds if f"{other}/{s}" in results]
+    if not pairs:
+        return float("nan"), float("nan")
+    return statistics.mean(d for d, _ in pairs), statistics.mean(s for _, s in pairs) / math.sqrt(len(pairs))
+
+
+def render(table: dict) -> str:
+    head = ("| arm | seeds | domain loss | general loss | " + " | ".join(f"domain k={k}" for k in KS) + " | "
+            + " | ".join(f"general k={k}" for k in KS) + " | domain k=1 vs base | speedup k=1/2/3 | identical "
+            "| train s |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for arm, r in table.items():
+        cells = [str(r["seeds"]), f"{r['domain_loss']:.4f}", f"{r['general_loss']:.4f}"]
+        cells += [f"{r[f'{w}_k{k}']:.3f} ±{r[f'{w}_k{k}_se']:.3f}" for w in ("domain", "general") for k in KS]
+        cells.append(f"{r['domain_k1_vs_base']:+.3f} ±{r['domain_k1_vs_base_se']:.3f}" if "domain_k1_vs_base" in r
+                     else "-")
+        cells.append(" / ".join(f"{r['speedup'][k]:.2f}" for k in map(str, KS)) if "speedup" in r else "-")
+        cells.append("yes" if all(r[f"{w}_k{k}_identical"] for w in ("domain", "general") for k in KS) else "NO")
+        cells.append(f"{r['wall_seconds']:.0f}")
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(table: dict, path: Path) -> Path:
+    """Mean acceptance length against k per arm (domain and general prompts, +- SE) and the held-out losses."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    arms = _by_arm(results)
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for ax, where in zip(axes, ("domain", "general")):
-        for arm, rs in arms.items():
-            ys = [sum(r[where][str(k)]["mean_acceptance_length"] for r in rs) / len(rs) for k in KS]
-            ax.plot(KS, ys, marker="o", label=arm, linestyle="--" if arm == "base" else "-")
-        ax.set(title=f"{where} prompts", xlabel="draft tokens k", ylabel="mean acceptance length", xticks=KS)
+        for arm, r in table.items():
+            ax.errorbar(KS, [r[f"{where}_k{k}"] for k in KS], yerr=[r[f"{where}_k{k}_se"] for k in KS],
+                        marker="o", capsize=3, label=arm, linestyle="--" if arm == "base" else "-")
+        ax.set(title=f"{where} prompts (held out)", xlabel="draft tokens k", ylabel="mean acceptance length",
+               xticks=KS)
         ax.grid(alpha=0.3)
     axes[0].legend()
-    names = list(arms)
-    axes[2].bar(names, [sum(r["held_out_loss"] for r in arms[a]) / len(arms[a]) for a in names])
-    lo = min(r["held_out_loss"] for rs in arms.values() for r in rs)
-    axes[2].set(title="held-out main loss (3 plays)", ylim=(lo - 0.1, None))
+    names = list(table)
+    x = range(len(names))
+    axes[2].bar([i - 0.2 for i in x], [table[a]["domain_loss"] for a in names], 0.4, label="domain (held-out files)")
+    axes[2].bar([i + 0.2 for i in x], [table[a]["general_loss"] for a in names], 0.4, label="general (base answers)")
+    axes[2].set_xticks(list(x), names)
+    axes[2].set(title="held-out main loss")
+    axes[2].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
 
-def table(results: dict) -> str:
-    """Markdown: per arm (mean over seeds, +- half the spread when there are several) the held-out loss and the
-    mean acceptance length / speedup at each k on domain and general prompts."""
-    arms = _by_arm(results)
-    head = "| arm | held-out loss | " + " | ".join(f"{w} len k={k}" for w in ("domain", "general") for k in KS) + \
-        " | domain speedup k=1..3 | wall s |"
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/alignment")
+    ap.add_argument("--corpus", help="the code corpus directory (default: OUT/corpus, built on first use)")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--tiny", action="store_true", help="minute-sized sizes: checks the script end to end")
+    ap.add_argument("--deadline-minutes", type=float, help="start no stage that would end after this")
+    ap.add_argument("--no-speedup", action="store_true", help="skip the timed speedup stage")
+    args = ap.parse_args()
+    size = TINY if args.tiny else FULL
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
+    deadline = Deadline(args.deadline_minutes)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    corpus = Path(args.corpus) if args.corpus else out / "corpus"
+    tok = load_tokenizer(default_gguf_path())
+    setup = prepare(out, corpus, tok, size)
+    answers = general_answers(setup, out, device, size["new_tokens"])
+    log(f"prepared: {len(setup['domain'])} domain prompts, {len(setup['general'])} general, "
+        f"{len(setup['windows'])} loss windows, {len(setup['refresh_prompts'])} refresh prompts")
+    results_path = out / "results.json"
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
 
-    def fmt(xs):
-        m = sum(xs) / len(xs)
-        return f"{m:.3f}" + (f" ±{(max(xs) - min(xs)) / 2:.3f}" if len(xs) > 1 else "")
+    def save(key, value, seconds):
+        results[key] = value
+        results_path.write_text(json.dumps(results))
+        log(f"{key}: {seconds:.0f} s; domain loss {value['domain_loss']:.4f}, general {value['general_loss']:.4f}; "
+            f"domain k=1..3 " + " ".join(f"{value['domain'][str(k)]['mean_acceptance_length']:.3f}" for k in KS)
+            + "; general " + " ".join(f"{value['general'][str(k)]['mean_acceptance_length']:.3f}" for k in KS))
 
-    for arm, rs in arms.items():
-        cells = [fmt([r["held_out_loss"] for r in rs])]
-        cells += [fmt([r[w][str(k)]["mean_acceptance_length"] for r in rs]) for w in ("domain", "general") for k in KS]
-        cells.append(" / ".join(f"{sum(r['domain'][str(k)]['speedup'] for r in rs) / len(rs):.2f}" for k in KS))
-        cells.append(f"{sum(r['wall_seconds'] for r in rs) / len(rs):.0f}")
-        lines.append(f"| {arm} ({len(rs)} seed{'s' * (len(rs) > 1)}) | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    took: dict[str, float] = {}
+    if "base" not in results:
+        start = time.perf_counter()
+        save("base", {"wall_seconds": 0.0, **evaluate(setup["base"], setup, answers, device, size)},
+             time.perf_counter() - start)
+    took["eval"] = 0.0
+    arms = args.arms.split(",")
+    for seed in map(int, args.seeds.split(",")):
+        for arm in arms:
+            key = f"{arm}/seed{seed}"
+            need = took.get("refresh" if arm in REFRESHED else "train", 0.0) + took.get("eval", 0.0)
+            if key in results:
+                continue
+            if not deadline.allows(1.2 * need):
+                log(f"{key}: skipped, the deadline leaves too little time ({need:.0f} s needed)")
+                continue
+            start = time.perf_counter()
+            if arm in REFRESHED:
+                source = model_dir(out, f"{REFRESHED[arm]}/seed{seed}")
+                if f"{REFRESHED[arm]}/seed{seed}" not in results:
+                    log(f"{key}: skipped, {REFRESHED[arm]}/seed{seed} was not trained")
+                    continue
+                rep = refresh(source, out / "refresh_prompts.jsonl", out / arm / f"seed{seed}",
+                              eval_prompts=out / "refresh_eval_prompts.jsonl", batch_size=256 if
+                              device.type == "cuda" else 4, device=device.type, dtype="float32", seed=seed,
+                              train_batch_size=32 if device.type == "cuda" else 2, seq_len=size["seq_len"],
+                              max_new_tokens=128 if not args.tiny else 16, ks=(1,), eval_tokens=64,
+                              progress=False)
+                path = model_dir(out, key)
+                wall = results[f"{REFRESHED[arm]}/seed{seed}"]["wall_seconds"] + sum(rep["seconds"].values())
+                extra = {"refresh": {"distilled_tokens": rep["distilled_tokens"], "steps": rep["train_steps"],
+                                     "seconds": rep["seconds"]}}
+                took["refresh"] = time.perf_counter() - start
+            else:
+                path, wall = fine_tune(arm, seed, setup, corpus, out, device, size)
+                extra = {}
+                took["train"] = time.perf_counter() - start
+            eval_start = time.perf_counter()
+            value = {"wall_seconds": wall, **extra, **evaluate(path, setup, answers, device, size)}
+            took["eval"] = time.perf_counter() - eval_start
+            save(key, value, time.perf_counter() - start)
+    if not args.no_speedup:
+        for key in ("base", *[k for k in results if k.endswith("/seed0")]):
+            if "speedup" in results[key] or not model_dir(out, key).exists():
+                continue
+            if not deadline.allows(took.get("speedup", 60.0) * 1.2):
+                log(f"{key}: speedup skipped (deadline)")
+                continue
+            start = time.perf_counter()
+            results[key]["speedup"] = timed_speedup(model_dir(out, key), setup, device, size)
+            took["speedup"] = time.perf_counter() - start
+            results_path.write_text(json.dumps(results))
+            log(f"{key}: speedup {results[key]['speedup']}")
+    table = summary(results)
+    text = render(table)
+    extras = []
+    for arm in ("b01", "b03", "c", "d", "e"):
+        if any(k.startswith(arm + "/") for k in results):
+            d, se = paired_vs(results, arm, "a")
+            extras.append(f"- domain k=1, {arm} - a: {d:+.3f} ± {se:.3f} (paired over prompts and seeds)")
+    (out / "table.md").write_text(text + "\n\n" + "\n".join(extras) + "\n")
+    (out / "summary.json").write_text(json.dumps(table, indent=1))
+    print(text)
+    print("\n".join(extras))
+    print(f"plot: {plot(table, out / 'alignment.png')}")
+    return 0
 
 
 if __name__ == "__main__":

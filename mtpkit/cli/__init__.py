@@ -16,6 +16,7 @@ COMMANDS = {
     "train": "train_cmd",
     "export": "export_cmd",
     "graft": "graft_cmd",
+    "refresh": "refresh_cmd",
     "plot": "plot_cmd",
     "distill": "distill_cmd",
     "features": "features_cmd",

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16")
-# the arguments that shape the records: a resumed run must give the same ones (recorded in OUT.manifest.json)
-RECORDED_ARGS = ("num_prompts", "seed", "word_share", "no_literature", "max_new_tokens", "topk")
+# the arguments that choose the built-in prompts (with --prompts: none): a resumed run must give the same ones
+PROMPT_ARGS = ("num_prompts", "seed", "word_share", "no_literature")
 
 
 def add_parser(sub) -> None:
@@ -14,6 +14,10 @@ def add_parser(sub) -> None:
     p.add_argument("--model", help="HF model directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True,
                    help="output JSONL (input_ids + loss_mask per sample); a run that finds it continues it")
+    p.add_argument("--prompts", metavar="FILE",
+                   help="distill on your own prompts instead of the built-in kinds: a text file (one prompt a line) "
+                        "or JSONL ({\"prompt\", \"chat\", \"kind\"} or chat records {\"messages\": [...]}, "
+                        "whose first user turn is the prompt); --num-prompts, --seed and --word-share do not apply")
     p.add_argument("--num-prompts", type=int, default=2000)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=64)
@@ -50,30 +54,10 @@ def distill_words(tokenizer) -> list[str]:
 
 
 def run(args) -> int:
-    from ..datasets.distill import check_output
-    from ..locking import OutputLock
-
-    out = Path(args.out)
-    check_output(out)  # a foreign file gets no lock file beside it (checked again under the lock)
-    with OutputLock(out.with_name(out.name + ".lock"), f"distill output {out}"):
-        return _run(args, out)
-
-
-def _run(args, out: Path) -> int:
-    import torch
-
-    from ..assets import cache_dir, default_gguf_path
-    from ..checkpoint.hf import load_model
-    from ..kernels.compute_dtype import describe, resolve
-    from ..tokenizer import load_tokenizer
-    from ..datasets.shakespeare import shakespeare_texts
-    from ..data.features import model_identity
-    from ..manifest import check_or_write_manifest
-    from ..datasets.distill import check_output, distill, load_or_build_prompts, manifest_path, prompts_path
-    from ..datasets.distill_features import HiddenShards, writer_name
-    from ..datasets.features import check_writer
+    from ..assets import cache_dir
+    from ..datasets.distill import distill_model, read_user_prompts
     from ..datasets.distill_prompts import build_prompts
-    from ..parallel.distributed import pick_device
+    from ..datasets.shakespeare import shakespeare_texts
 
     if args.num_prompts < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise ValueError("--num-prompts, --batch-size and --max-new-tokens must be >= 1")
@@ -81,43 +65,19 @@ def _run(args, out: Path) -> int:
         raise ValueError(f"--word-share must lie in [0, 1), not {args.word_share}")
     if args.topk and not args.features:
         raise ValueError("--topk is kept with the hidden states: give --features DIR as well")
-    manifest = check_output(out)
-    if args.features:  # before the work: the features directory is written at the end
-        check_writer(args.features, writer_name(out))
-    device = pick_device(args.device, setting="--device {}")
-    path = Path(args.model) if args.model else default_gguf_path()
-    model = load_model(path).eval()
-    if args.topk < 0 or args.topk > model.config.vocab_size:
-        raise ValueError(f"--topk must lie in 0..{model.config.vocab_size}, not {args.topk}")
-    identity = model_identity(model)  # of the weights as loaded, which training loads too
-    if args.dtype == "auto" and manifest and manifest.get("dtype") in DTYPES[1:]:  # resumed: compute as it started
-        dtype = getattr(torch, manifest["dtype"])
+    if args.prompts:
+        user_prompts = read_user_prompts(args.prompts)  # read now: a bad file fails before the model loads
+
+        def build(tokenizer):
+            return user_prompts
     else:
-        dtype = resolve(args.dtype, device, model.config)
-    dtype_name = str(dtype).removeprefix("torch.")
-    check_or_write_manifest(manifest_path(out), {
-        "writer": "mtpkit distill", "model": identity, "dtype": dtype_name,
-        "args": {name: getattr(args, name) for name in RECORDED_ARGS}}, f"distill output {out}",
-        "give the same --model, --dtype and arguments to continue it, or write to another --out")
-    if args.dtype == "auto" and not manifest:
-        print(f"compute dtype: {dtype_name} (measured: "
-              f"{describe(device, model.config.hidden_size, model.config.intermediate_size)})")
-    model = model.to(device=device, dtype=dtype)
-    tokenizer = load_tokenizer(path)
-    literature = None if args.no_literature else shakespeare_texts(cache_dir() / "shakespeare")
-    prompts = load_or_build_prompts(
-        model, tokenizer, prompts_path(out),
-        lambda: build_prompts(args.num_prompts, args.seed, literature,
-                              distill_words(tokenizer) if args.word_share else None, args.word_share),
-        batch_size=args.batch_size)
-    shards = HiddenShards(out) if args.features else None
-    info = distill(model, tokenizer, prompts, out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                   shards=shards, topk=args.topk,
-                   max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
-    print(f"{info['done']} of {len(prompts)} prompts done; {info['tokens']} new tokens in {info['seconds']:.0f} s "
-          f"({info['tokens_per_second']:.0f} tokens/s, {dtype_name}, {device.type}) -> {out}")
-    if shards is not None and info["done"]:
-        records = shards.assemble(out, tokenizer, identity, model.config.vocab_size, args.features, topk=args.topk,
-                                  hidden_dtype="bfloat16", compute=dtype_name)
-        print(f"features of {records} records -> {args.features}")
+        def build(tokenizer):
+            literature = None if args.no_literature else shakespeare_texts(cache_dir() / "shakespeare")
+            return build_prompts(args.num_prompts, args.seed, literature,
+                                 distill_words(tokenizer) if args.word_share else None, args.word_share)
+    distill_model(args.model, args.out, build, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
+                  max_new_tokens=args.max_new_tokens, features=args.features, topk=args.topk,
+                  max_minutes=args.max_minutes,
+                  recorded={"prompts": str(Path(args.prompts).resolve()) if args.prompts else None,
+                            **{name: None if args.prompts else getattr(args, name) for name in PROMPT_ARGS}})
     return 0

@@ -167,6 +167,86 @@ def distill(model, tokenizer, prompts: list[dict], out_path, *, max_new_tokens: 
             "tokens_per_second": total / seconds if seconds > 0 else 0.0}
 
 
+def read_user_prompts(path) -> list[dict]:
+    """A user's prompts file (`bench.speedup.read_prompts`' formats) as distillation prompts."""
+    from ..bench.speedup import read_prompts
+
+    prompts = read_prompts(path)
+    if any(p.images for p in prompts):
+        raise ValueError(f"{path} holds image prompts: distillation takes text and chat prompts only")
+    return [{"prompt": p.text, "chat": p.chat, "kind": p.kind} for p in prompts]
+
+
+def distill_model(model_path, out, build, *, device: str = "auto", dtype: str = "auto", batch_size: int = 64,
+                  max_new_tokens: int = 128, features=None, topk: int = 0, max_minutes: float | None = None,
+                  recorded: dict | None = None) -> dict:
+    """`mtpkit distill` as a function: load the model (default: the embedded SmolLM2) on `device` in `dtype`
+    ("auto": measured, `kernels.compute_dtype`), take the prompts from `build(tokenizer)` on the first run (kept
+    next to `out` for resumes), distill them into `out` and, with `features`, write the features directory.
+    One run at a time per `out` (a lock beside it). `OUT.manifest.json` records the model, the compute dtype,
+    max_new_tokens, topk and `recorded` (the caller's arguments that chose the prompts); a resume that differs is
+    refused, and "auto" resumes in the recorded dtype. Returns `distill`'s figures."""
+    from ..locking import OutputLock
+
+    out = Path(out)
+    check_output(out)  # a foreign file gets no lock file beside it (checked again under the lock)
+    with OutputLock(out.with_name(out.name + ".lock"), f"distill output {out}"):
+        return _distill_model(model_path, out, build, device=device, dtype=dtype, batch_size=batch_size,
+                              max_new_tokens=max_new_tokens, features=features, topk=topk, max_minutes=max_minutes,
+                              recorded=recorded or {})
+
+
+def _distill_model(model_path, out: Path, build, *, device, dtype, batch_size, max_new_tokens, features, topk,
+                   max_minutes, recorded: dict) -> dict:
+    import torch
+
+    from ..assets import default_gguf_path
+    from ..checkpoint.hf import load_model
+    from ..data.features import model_identity
+    from ..kernels.compute_dtype import describe, resolve
+    from ..manifest import check_or_write_manifest
+    from ..parallel.distributed import pick_device
+    from ..tokenizer import load_tokenizer
+    from .distill_features import writer_name
+    from .features import check_writer
+
+    manifest = check_output(out)
+    if features:  # before the work: the features directory is written at the end
+        check_writer(features, writer_name(out))
+    device = pick_device(device, setting="--device {}")
+    path = Path(model_path) if model_path else default_gguf_path()
+    model = load_model(path).eval()
+    if topk < 0 or topk > model.config.vocab_size:
+        raise ValueError(f"--topk must lie in 0..{model.config.vocab_size}, not {topk}")
+    identity = model_identity(model)  # of the weights as loaded, which training loads too
+    if dtype == "auto" and manifest and manifest.get("dtype") in ("float32", "bfloat16"):  # resumed: as it started
+        compute = getattr(torch, manifest["dtype"])
+    else:
+        compute = resolve(dtype, device, model.config)
+        if dtype == "auto":
+            print(f"compute dtype: {str(compute).removeprefix('torch.')} (measured: "
+                  f"{describe(device, model.config.hidden_size, model.config.intermediate_size)})")
+    compute_name = str(compute).removeprefix("torch.")
+    check_or_write_manifest(manifest_path(out), {
+        "writer": "mtpkit distill", "model": identity, "dtype": compute_name, "max_new_tokens": max_new_tokens,
+        "topk": topk, "args": recorded}, f"distill output {out}",
+        "give the same --model, --dtype and arguments to continue it, or write to another --out")
+    model = model.to(device=device, dtype=compute)
+    tokenizer = load_tokenizer(path)
+    prompts = load_or_build_prompts(model, tokenizer, prompts_path(out), lambda: build(tokenizer),
+                                    batch_size=batch_size)
+    shards = HiddenShards(out) if features else None
+    info = distill(model, tokenizer, prompts, out, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                   shards=shards, topk=topk, max_seconds=None if max_minutes is None else 60 * max_minutes)
+    print(f"{info['done']} of {len(prompts)} prompts done; {info['tokens']} new tokens in {info['seconds']:.0f} s "
+          f"({info['tokens_per_second']:.0f} tokens/s, {compute_name}, {device.type}) -> {out}")
+    if shards is not None and info["done"]:
+        records = shards.assemble(out, tokenizer, identity, model.config.vocab_size, features, topk=topk,
+                                  hidden_dtype="bfloat16", compute=compute_name)
+        print(f"features of {records} records -> {features}")
+    return info
+
+
 def load_or_build_prompts(model, tokenizer, prompts_path, build, *, batch_size: int = 128) -> list[dict]:
     """The prompt list of a run: read from prompts_path when a run started before, else `build()` completed
     with the model's own words and written there (atomically), so a resumed run uses exactly the same prompts."""

@@ -1,6 +1,7 @@
-"""`mtpkit distill` on an output it did not start, or started differently: another model, other arguments, a
-foreign file, a features directory of `mtpkit features`, a second writer, a shard temp file left by a kill. Each is
-one refusal line that leaves the files as they were; the same command continues the run."""
+"""`mtpkit distill`: a user's own prompts (--prompts FILE) distilled as given; and an output it did not start,
+or started differently (another model, other arguments, a foreign file, a features directory of `mtpkit
+features`, a second writer, a shard temp file left by a kill): each one refusal line that leaves the files as
+they were, while the same command continues the run."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from train_runs import TINY_LLAMA, make_tokenizer
 from mtpkit.checkpoint.hf import build_model, save_model
 from mtpkit.cli import main
 from mtpkit.locking import OutputLock
+from mtpkit.tokenizer import encode_prompt
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +50,12 @@ def _files(root):
 def test_a_resume_with_another_model_or_arguments_is_refused(models, tmp_path, capsys):
     a, b = models
     out = tmp_path / "d.jsonl"
+    (tmp_path / "p.txt").write_text("the king hath spoken\n")
     _ok(_args(a, out), capsys)
     before = _files(tmp_path)
     for changed in (_args(b, out), _args(a, out, "--seed", "1"), _args(a, out, "--word-share", "0.5"),
-                    _args(a, out, "--dtype", "bfloat16"), _args(a, out, "--num-prompts", "7")):  # the last of a flag counts
+                    _args(a, out, "--dtype", "bfloat16"), _args(a, out, "--num-prompts", "7"),  # the last flag counts
+                    _args(a, out, "--max-new-tokens", "5"), _args(a, out, "--prompts", str(tmp_path / "p.txt"))):
         assert main(changed) == 2
         _refused(capsys, "was started with other settings", "another --out")
         assert _files(tmp_path) == before
@@ -101,3 +105,31 @@ def test_a_shard_temp_file_left_by_a_kill_is_not_read_as_a_shard(models, tmp_pat
     out.write_text(lines[0] + "\n")  # its records were never appended
     _ok(_args(a, out, "--features", str(features), "--num-prompts", "2"), capsys)
     assert json.loads((features / "meta.json").read_text())["records"] == 2
+
+
+def test_distill_a_prompts_file(tmp_path, one_thread):
+    tok = make_tokenizer(tmp_path)
+    torch.manual_seed(0)
+    save_model(build_model(TINY_LLAMA), tmp_path / "model", tok)
+    prompts = [{"prompt": "the king hath spoken", "kind": "verse"},
+               {"prompt": "good morrow sweet lady", "chat": True},
+               {"messages": [{"role": "user", "content": "my lord the night is cold"},
+                             {"role": "assistant", "content": "and full of stars"}]}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    out = tmp_path / "d.jsonl"
+    argv = ["distill", "--model", str(tmp_path / "model"), "--out", str(out), "--prompts", str(tmp_path / "p.jsonl"),
+            "--device", "cpu", "--dtype", "float32", "--max-new-tokens", "4", "--batch-size", "2"]
+    assert main(argv) == 0
+    records = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["index"])
+    assert [r["kind"] for r in records] == ["verse", "chat", "chat"]
+    expected = [encode_prompt(tok, "the king hath spoken"), encode_prompt(tok, "good morrow sweet lady", True),
+                encode_prompt(tok, "my lord the night is cold", True)]
+    for rec, ids in zip(records, expected):
+        assert rec["input_ids"][: len(ids)] == ids and rec["loss_mask"] == [0] * len(ids) + [1] * 4
+
+
+def test_image_prompts_are_refused(tmp_path, capsys):
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "what is this?", "image": "x.png"}) + "\n")
+    assert main(["distill", "--out", str(tmp_path / "d.jsonl"), "--prompts", str(tmp_path / "p.jsonl")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "image prompts" in err and "\n" not in err

@@ -72,9 +72,9 @@ def build(name: str, build_dir: pathlib.Path, csrc: pathlib.Path = CSRC) -> None
         fcntl.flock(turn, fcntl.LOCK_EX)  # waits while another process builds
         stale = build_dir / "lock"
         if stale.exists():
+            stale.unlink(missing_ok=True)
             warnings.warn(f"mtpkit: removed {stale}, left by a kernel build that was killed (torch's loader would "
                           "wait on it for ever); building again")
-            stale.unlink(missing_ok=True)
         load(name, [str(csrc / s) for s in SOURCES], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
              build_directory=str(build_dir), is_python_module=False)
 

@@ -105,10 +105,10 @@ def read_records(files: list[Path], fmt: str, field: str, text_split: str = "fil
             if field not in schema.names:
                 raise DataError(f"{f} has no '{field}' column (it has: {', '.join(schema.names)})")
             table = pq.read_table(f, columns=None if whole else [field])
-            if check is not None:
-                for n, rec in enumerate(table.to_pylist(), 1):
-                    _check(check, rec, f"{f} row {n}")
-            docs += table.to_pylist() if whole else table.column(field).to_pylist()
+            rows = table.to_pylist()
+            for n, rec in enumerate(rows, 1):
+                _check(check, rec, f"{f} row {n}")
+            docs += rows if whole else [rec[field] for rec in rows]
         else:
             raise DataError(f"unknown data format {kind!r}")
     return docs

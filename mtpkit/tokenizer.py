@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .chat_template import apply_chat_template
+from .errors import MtpkitError
+
 
 def load_tokenizer(path):
     """An HF tokenizer from a model directory, or from a .gguf file's metadata."""
@@ -14,8 +17,12 @@ def load_tokenizer(path):
         raise FileNotFoundError(f"tokenizer path {p} does not exist")
     try:
         if p.suffix == ".gguf":
-            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+            from .checkpoint.gguf import load_gguf_tokenizer
+
+            return load_gguf_tokenizer(p)
         return AutoTokenizer.from_pretrained(str(p))
+    except MtpkitError:  # already says what is wrong with the files
+        raise
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load a tokenizer from {p} ({e}): point to an HF tokenizer directory") from None
 
@@ -29,7 +36,7 @@ def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool = False) -> li
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat prompts need a tokenizer with a chat template; this one has none")
         turns = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        out = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+        out = apply_chat_template(tokenizer, turns, add_generation_prompt=True, tokenize=True)
         ids = list(out["input_ids"] if hasattr(out, "keys") else out)
     if not ids:
         raise ValueError(f"the prompt {prompt!r} encodes to no tokens: give some text")

@@ -68,9 +68,11 @@ def test_out_of_vocabulary_token_records():
                                                                                unk_token="t0")))
     good = {"input_ids": [1, 2, 49]}
     assert tokenize_documents([good], tok, "tokens")[0][0].tolist() == [1, 2, 49]
-    for bad in ([1, 2, 50], [1, -1, 3], [[1, 2], [3, 4]]):
+    for bad in ([1, 2, 50], [1, -1, 3]):
         with pytest.raises(DataError, match=r"record 2 has input_ids that are not token ids of the tokenizer \(0\.\.49"):
             tokenize_documents([good, {"input_ids": bad}], tok, "tokens")
+    with pytest.raises(DataError, match=r"record 2 has input_ids that are not a list of integers \(found \[1, 2\]\)"):
+        tokenize_documents([good, {"input_ids": [[1, 2], [3, 4]]}], tok, "tokens")
 
 
 def test_missing_default_model_is_one_cli_line(tmp_path, monkeypatch, capsys):

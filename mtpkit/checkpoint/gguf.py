@@ -20,6 +20,7 @@ import math
 import os
 import pathlib
 import re
+import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -70,14 +71,32 @@ def _open_reader(path: pathlib.Path):
     if magic != _MAGIC:
         raise _bad_file(path, f"is not a GGUF file (starts with {magic!r}, expected {_MAGIC!r})")
     try:
-        reader = GGUFReader(path, "r")
+        with warnings.catch_warnings():  # a wrapping tensor offset: reported by _check_spans
+            warnings.filterwarnings("ignore", "overflow encountered", RuntimeWarning)
+            reader = GGUFReader(path, "r")
     except Exception as e:  # truncated header / metadata surfaces as assorted numpy errors
         raise _bad_file(path, f"is truncated or corrupt ({type(e).__name__}: {e})") from None
-    size = path.stat().st_size
-    end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
+    _check_spans(reader, path)
+    return reader
+
+
+def _check_spans(reader, path: pathlib.Path) -> None:
+    """Every tensor inside the data section, none overlapping another. The reader adds each tensor's offset to the
+    section's start in uint64, so an offset near 2**64 wraps to bytes before the section (the header) and loads
+    as weights; an offset into another tensor loads that one's bytes."""
+    size, start = path.stat().st_size, int(reader.data_offset)
+    spans = sorted((int(t.field.parts[-1][0]), int(t.n_bytes), t.name) for t in reader.tensors)  # raw offsets
+    for off, n, name in spans:
+        if start + off >= size:
+            raise _bad_file(path, f"has tensor {name} at offset {off}, outside its data section ({size - start} "
+                                  "bytes)")
+    end = max((start + off + n for off, n, _ in spans), default=0)
     if end > size:
         raise _bad_file(path, f"is truncated ({size} bytes, its tensors need {end})")
-    return reader
+    for (a, n, first), (b, _, second) in zip(spans, spans[1:]):
+        if b < a + n:
+            raise _bad_file(path, f"has tensors {first} and {second} overlapping in its data section (offsets {a} "
+                                  f"and {b}, {n} bytes)")
 
 
 def _field(reader, key: str, default: Any = None) -> Any:
@@ -275,9 +294,22 @@ def _check_before_reading(path: pathlib.Path, reader, config: dict) -> None:
                               f"vocab {config['vocab_size']} x hidden {config['hidden_size']}")
 
 
+# files of an HF tokenizer that transformers reads from a GGUF's directory in place of the GGUF's own vocabulary
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
 def load_gguf_tokenizer(path: str | os.PathLike):
-    """The HF tokenizer embedded in a GGUF file (``AutoTokenizer`` with ``gguf_file``)."""
+    """The HF tokenizer embedded in a GGUF file (``AutoTokenizer`` with ``gguf_file``). Tokenizer files beside it
+    take precedence there; ones whose vocabulary is not the GGUF's (another model's) are refused."""
     from transformers import AutoTokenizer
 
     path = pathlib.Path(path)
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    beside = [name for name in _TOKENIZER_FILES if (path.parent / name).exists()]
+    if beside:
+        own = _array_len(_open_reader(path), "tokenizer.ggml.tokens")
+        if own is not None and own != len(tokenizer):
+            raise _bad_file(path, f"has a {own}-token vocabulary, but the tokenizer files beside it "
+                                  f"({', '.join(beside)}) hold {len(tokenizer)} tokens and would replace it: move "
+                                  "them out of its directory or use the model they belong to")
+    return tokenizer

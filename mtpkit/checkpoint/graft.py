@@ -31,6 +31,7 @@ from ..models.config import ConfigError, config_from_hf, text_config_dict
 from ..models.mtp import is_mtp_param
 from ..models.transformer import CausalLM, CheckpointInfo
 from .hf import CheckpointError, _SafetensorsDir, checkpoint_state_dict
+from .mtp_head import TRUNK, trunk_difference, trunk_identity
 from .safe_write import write_dir
 
 HEAD_FILE = "mtp.safetensors"
@@ -45,7 +46,7 @@ class Head:
     tensors: dict[str, torch.Tensor]
     config: dict  # mtp_num_hidden_layers, num_nextn_predict_layers, other mtp_* keys
     model_type: str | None  # the text model_type of an HF directory; None for a head file
-    hidden_size: int | None
+    trunk: dict  # what is known of the trunk it was trained on (mtp_head.trunk_identity; a head file: less)
 
 
 def _config(path: Path) -> dict:
@@ -72,10 +73,18 @@ def read_head(path) -> Head:
             raise CheckpointError(f"{path} is not an MTP head file (only mtp.* tensors, as `mtpkit export --mtp-only` "
                                   "writes): pass it or the HF directory of the model the head comes from")
         _sequential_only(path, tensors)
+        with safe_open(str(path), framework="pt") as h:
+            trunk = json.loads((h.metadata() or {}).get(TRUNK, "{}"))  # heads saved before it was recorded: none
         fc = tensors.get("mtp.fc.weight")
-        return Head(tensors, {"mtp_num_hidden_layers": _depth(tensors)}, None, None if fc is None else fc.shape[0])
+        if fc is not None:
+            trunk["hidden size"] = fc.shape[0]
+        return Head(tensors, {"mtp_num_hidden_layers": _depth(tensors)}, None, trunk)
     raw = _config(path)
     text, _ = text_config_dict(raw)
+    try:
+        trunk = trunk_identity(config_from_hf(raw))
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: {e}") from None
     source = _SafetensorsDir(path)
     names = [n for n in source.names() if is_mtp_param(n)]
     if not names:
@@ -85,7 +94,7 @@ def read_head(path) -> Head:
     keys = {k: v for k, v in text.items() if k.startswith("mtp_") or k == "num_nextn_predict_layers"}
     if "mtp_num_hidden_layers" not in keys and "num_nextn_predict_layers" not in keys:
         keys["mtp_num_hidden_layers"] = _depth(names)
-    return Head({n: source.get(n) for n in names}, keys, text.get("model_type"), text.get("hidden_size"))
+    return Head({n: source.get(n) for n in names}, keys, text.get("model_type"), trunk)
 
 
 def _sequential_only(path: Path, names) -> None:
@@ -116,14 +125,16 @@ def check_fit(head: Head, raw: dict, base, target) -> None:
     if head.model_type is not None and head.model_type != family:
         raise CheckpointError(f"{base} is a {head.model_type} model but {target} is {family}: a head only fits the "
                               "model family it was trained with")
-    if head.hidden_size is not None and head.hidden_size != text.get("hidden_size"):
-        raise CheckpointError(f"{base} has hidden size {head.hidden_size} but {target} has {text.get('hidden_size')}: "
-                              "the head belongs to another model size")
     raw = _with_keys(raw, head.config)
     try:
         config = config_from_hf(raw)
     except ConfigError as e:
         raise CheckpointError(f"{target}: {e}") from None
+    differs = trunk_difference(head.trunk, config)
+    if differs:
+        what, theirs, ours = differs
+        raise CheckpointError(f"{base} has {what} {theirs} but {target} has {ours}: the head was trained on another "
+                              "model's trunk; graft a head of this model")
     if config.mtp_num_hidden_layers < 1:
         raise CheckpointError(f"{base}'s config.json sets mtp_num_hidden_layers = 0 but it holds mtp.* tensors: set "
                               "it to the number of MTP layers")

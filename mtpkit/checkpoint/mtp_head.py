@@ -4,6 +4,7 @@ stale head for a refreshed one without rewriting the whole checkpoint."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -22,6 +23,22 @@ _SEQUENTIAL, _PARALLEL = ("mtp.", "mtp_num_hidden_layers"), ("mtp_heads.", "mtp_
 _WIDTH = "mtp_parallel_intermediate_size"  # parallel heads' MLP width, when not the trunk's
 
 
+TRUNK = "trunk"  # metadata key: the JSON of trunk_identity(config) of the model the head was trained on
+
+
+def trunk_identity(config) -> dict:
+    """What a head's weights assume of its trunk beyond tensor shapes: its vocabulary (the token ids the head
+    embeds and predicts), rotary base and width. A head grafted onto another trunk loads and drafts garbage."""
+    return {"vocab size": config.vocab_size, "rope theta": config.rope_theta, "hidden size": config.hidden_size}
+
+
+def trunk_difference(recorded: dict, config) -> tuple[str, object, object] | None:
+    """The first entry of a head's recorded trunk that a model of `config` does not share: (what, the head's, the
+    model's), or None."""
+    have = trunk_identity(config)
+    return next(((what, v, have[what]) for what, v in recorded.items() if what in have and v != have[what]), None)
+
+
 def save_mtp_head(model, path, dtype: torch.dtype | None = torch.bfloat16, *, overwrite: bool = False) -> Path:
     """Write the model's head, `mtp.*` (sequential MTP) or `mtp_heads.*` (parallel heads), cast to dtype (None
     keeps theirs), to one safetensors file, through a temporary sibling that is fsynced and renamed into place.
@@ -36,7 +53,7 @@ def save_mtp_head(model, path, dtype: torch.dtype | None = torch.bfloat16, *, ov
     }
     if head.draft_vocab is not None:
         tensors[DRAFT_VOCAB] = head.draft_vocab.to("cpu", torch.long).contiguous()
-    meta = {"format": "pt", key: str(len(head.layers))}
+    meta = {"format": "pt", key: str(len(head.layers)), TRUNK: json.dumps(trunk_identity(model.config))}
     if head is model.mtp_heads and model.config.mtp_parallel_intermediate_size:
         meta[_WIDTH] = str(model.config.mtp_parallel_intermediate_size)
     return write_file(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta), overwrite=overwrite)
@@ -103,6 +120,14 @@ def load_mtp_head(model, path):
     wrong = [f"{n} {tuple(s)} (model: {tuple(expected[n])})" for n, s in shapes.items() if s != expected[n]]
     if wrong:
         raise CheckpointError(f"{path} was trained for another model size: {'; '.join(wrong[:3])}")
+    try:
+        differs = trunk_difference(json.loads(meta.get(TRUNK, "{}")), model.config)  # older head files: not recorded
+    except (ValueError, AttributeError):
+        raise CheckpointError(f"{path}: its {TRUNK} metadata is not a JSON object: the file is corrupt") from None
+    if differs:
+        what, theirs, ours = differs
+        raise CheckpointError(f"{path} was trained on another model's trunk ({what} {theirs}, this model's {ours}): "
+                              "attach it to the model it was trained with")
     ref = model.model.embed_tokens.weight
     try:
         state = {n[len(prefix):]: f.get_tensor(n).to(device=ref.device, dtype=ref.dtype, copy=True) for n in shapes}

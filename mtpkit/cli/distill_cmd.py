@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16")
+# the arguments that choose the built-in prompts (with --prompts: none): a resumed run must give the same ones
+PROMPT_ARGS = ("num_prompts", "seed", "word_share", "no_literature")
 
 
 def add_parser(sub) -> None:
@@ -75,5 +77,7 @@ def run(args) -> int:
                                  distill_words(tokenizer) if args.word_share else None, args.word_share)
     distill_model(args.model, args.out, build, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
                   max_new_tokens=args.max_new_tokens, features=args.features, topk=args.topk,
-                  max_minutes=args.max_minutes)
+                  max_minutes=args.max_minutes,
+                  recorded={"prompts": str(Path(args.prompts).resolve()) if args.prompts else None,
+                            **{name: None if args.prompts else getattr(args, name) for name in PROMPT_ARGS}})
     return 0

@@ -31,11 +31,15 @@ def run(args) -> int:
     from ..kernels.compute_dtype import describe, resolve
     from ..tokenizer import load_tokenizer
     from ..datasets.features import build_features
+    from ..manifest import read_manifest
 
     path = Path(args.model) if args.model else default_gguf_path()
     model = load_model(path, mtp=False).eval()
     compute = args.compute
-    if compute == "auto":
+    started = read_manifest(Path(args.out) / "meta.json") or {}
+    if compute == "auto" and started.get("compute"):  # a resumed run computes as it started
+        compute = started["compute"]
+    elif compute == "auto":
         compute = str(resolve("auto", "cpu", model.config)).removeprefix("torch.")
         print(f"compute: {compute} (measured: "
               f"{describe('cpu', model.config.hidden_size, model.config.intermediate_size)})")

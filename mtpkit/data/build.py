@@ -12,7 +12,7 @@ from .features import FeatureStores, FeaturesData
 from .images import read_image_records, tokenize_image_documents
 from .packing import PackedData
 from .reading import DataError, list_files, read_records
-from .tokenizing import tokenize_documents
+from .tokenizing import token_record_problem, tokenize_documents
 
 logger = logging.getLogger("mtpkit")
 
@@ -60,6 +60,8 @@ def _read_documents(cfg_data, tokenizer, processor) -> tuple[list, list | None, 
         triples = tokenize_image_documents(records, processor, cfg_data.mode, cfg_data.add_eos) if records else []
         docs, vision = [(ids, mask) for ids, mask, _ in triples], [v for _, _, v in triples]
     else:
-        raw = read_records(files, cfg_data.format, field, cfg_data.text_split, whole=cfg_data.mode == "tokens")
+        tokens = cfg_data.mode == "tokens"
+        raw = read_records(files, cfg_data.format, field, cfg_data.text_split, whole=tokens,
+                           check=token_record_problem if tokens else None)
         docs = tokenize_documents(raw, tokenizer, cfg_data.mode, cfg_data.add_bos, cfg_data.add_eos) if raw else []
     return docs, vision, files

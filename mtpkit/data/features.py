@@ -37,6 +37,34 @@ VERSION = 1
 HIDDEN_DTYPES = {"bfloat16": np.uint16, "float32": np.float32}  # hidden storage dtype -> numpy dtype of the file
 
 
+REBUILD = "delete the directory and build it again with `mtpkit features`"
+
+
+# ----------------------------------------------------------------------------------------------------- arrays
+def array_shapes(meta: dict) -> dict[str, tuple[tuple[int, ...], type]]:
+    """Each array's shape and numpy dtype, as meta.json describes the directory."""
+    N, R, H, k = meta["tokens"], meta["records"], meta["model"]["hidden_size"], meta["topk"]
+    shapes = {"input_ids": ((N,), np.int32), "loss_mask": ((N,), np.bool_), "offsets": ((R + 1,), np.int64),
+              "hidden": ((N, H), HIDDEN_DTYPES[meta["hidden_dtype"]])}
+    if k:
+        shapes.update(topk_ids=((N, k), np.int32), topk_logprobs=((N, k), np.float32))
+    return shapes
+
+
+def load_array(path: Path, shape: tuple[int, ...], dtype, mode: str = "r") -> np.ndarray:
+    """A features array, memory-mapped, checked against the shape and dtype meta.json gives it: one line naming
+    the file when it is cut short, unreadable or another run's."""
+    try:
+        a = np.load(path, mmap_mode=mode)
+    except (OSError, ValueError, EOFError) as e:
+        why = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+        raise DataError(f"{path} cannot be read as a numpy array ({why}): {REBUILD}") from None
+    if a.shape != shape or a.dtype != np.dtype(dtype):
+        raise DataError(f"{path} holds {a.dtype} {a.shape}, but meta.json describes {np.dtype(dtype)} {shape} (a "
+                        f"file of another run, or cut short): {REBUILD}")
+    return a
+
+
 # --------------------------------------------------------------------------------------------------- identity
 def model_identity(model) -> dict:
     """What a features directory must match: the trunk's sizes and a fingerprint of its weights (the final norm
@@ -75,14 +103,18 @@ class FeatureStore:
             raise DataError(f"{self.root} is incomplete ({done} of {self.meta['records']} records): run the same "
                             "`mtpkit features` command again to finish it")
 
+        shapes = array_shapes(self.meta)
+
         def load(name):
-            return np.load(self.root / f"{name}.npy", mmap_mode="r")
+            return load_array(self.root / f"{name}.npy", *shapes[name]) if name in shapes else None
 
         self.input_ids, self.loss_mask, self.offsets = load("input_ids"), load("loss_mask"), load("offsets")
+        if self.offsets[0] != 0 or self.offsets[-1] != len(self.input_ids) or (np.diff(self.offsets) < 0).any():
+            raise DataError(f"{self.root / 'offsets.npy'} does not split the {len(self.input_ids)} tokens into "
+                            f"records: the directory is damaged; {REBUILD}")
         self._hidden = load("hidden")
         self.topk = self.meta["topk"]
-        self._topk_ids = load("topk_ids") if self.topk else None
-        self._topk_logprobs = load("topk_logprobs") if self.topk else None
+        self._topk_ids, self._topk_logprobs = load("topk_ids"), load("topk_logprobs")
 
     def check_model(self, model) -> None:
         """A one-line error when the features were built from another trunk than the model being trained."""
@@ -103,6 +135,11 @@ class FeatureStore:
         out = {"input_ids": torch.from_numpy(self.input_ids[rows].astype(np.int64))}
         h = self._hidden[rows]
         out["hidden"] = numpy_to_bf16(h) if h.dtype == np.uint16 else torch.from_numpy(h)
+        if not torch.isfinite(out["hidden"]).all():  # else training diverges with no hint that the data is bad
+            bad = int(rows[int(torch.nonzero(~torch.isfinite(out["hidden"]).all(-1))[0])])
+            raise DataError(f"{self.root / 'hidden.npy'} holds NaN or infinite hidden states (row {bad}): the trunk "
+                            f"overflowed while they were built (try `mtpkit features --compute float32`) or the file "
+                            f"is damaged; {REBUILD}")
         if self.topk:
             out["topk_ids"] = torch.from_numpy(self._topk_ids[rows].astype(np.int64))
             out["topk_logprobs"] = torch.from_numpy(self._topk_logprobs[rows])

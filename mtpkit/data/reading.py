@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 TEXT_EXT = {".txt", ".text", ".md"}
@@ -39,6 +40,9 @@ def list_files(paths: list[str], fmt: str = "auto") -> list[Path]:
         path = Path(p).expanduser()
         if not path.exists():
             raise FileNotFoundError(f"data path {path} does not exist")
+        if not path.is_dir() and not path.is_file():  # reading a FIFO blocks until a writer comes, maybe never
+            raise DataError(f"data path {path} is not a regular file (a FIFO, socket or device): copy the data into "
+                            "a file and name that")
         if path.is_dir():
             known = TEXT_EXT | JSONL_EXT | PARQUET_EXT
             found = sorted(f for f in path.rglob("*") if f.is_file() and (fmt != "auto" or f.suffix.lower() in known))
@@ -60,9 +64,17 @@ def _split_text(text: str, how: str) -> list[str]:
     return [p for p in parts if p.strip()]
 
 
-def read_records(files: list[Path], fmt: str, field: str, text_split: str = "file", whole: bool = False) -> list:
+def _check(check, rec: dict, where: str) -> None:
+    problem = check(rec) if check is not None else None
+    if problem:
+        raise DataError(f"{where} {problem}")
+
+
+def read_records(files: list[Path], fmt: str, field: str, text_split: str = "file", whole: bool = False,
+                 check: Callable[[dict], str | None] | None = None) -> list:
     """Raw documents: strings (pretraining text) or whatever `field` holds in JSONL/Parquet records (the whole
-    record when `whole`, e.g. pre-tokenized input_ids with their loss_mask)."""
+    record when `whole`, e.g. pre-tokenized input_ids with their loss_mask). `check(record)` says what is wrong
+    with a record (or None): reported with its file and line (Parquet: row)."""
     docs = []
     for f in files:
         kind = _format_of(f, fmt)
@@ -81,6 +93,7 @@ def read_records(files: list[Path], fmt: str, field: str, text_split: str = "fil
                         keys = ", ".join(rec) if isinstance(rec, dict) else type(rec).__name__
                         raise DataError(f"{f}:{n} has no '{field}' field (it has: {keys}); set data.text_field / "
                                         "data.messages_field")
+                    _check(check, rec, f"{f}:{n}")
                     docs.append(rec if whole else rec[field])
         elif kind == "parquet":
             try:
@@ -92,7 +105,10 @@ def read_records(files: list[Path], fmt: str, field: str, text_split: str = "fil
             if field not in schema.names:
                 raise DataError(f"{f} has no '{field}' column (it has: {', '.join(schema.names)})")
             table = pq.read_table(f, columns=None if whole else [field])
-            docs += table.to_pylist() if whole else table.column(field).to_pylist()
+            rows = table.to_pylist()
+            for n, rec in enumerate(rows, 1):
+                _check(check, rec, f"{f} row {n}")
+            docs += rows if whole else [rec[field] for rec in rows]
         else:
             raise DataError(f"unknown data format {kind!r}")
     return docs

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..chat_template import apply_chat_template
 from .reading import DataError
 
 
@@ -23,7 +24,7 @@ def chat_tokens(tokenizer, messages: list[dict]) -> tuple[np.ndarray, np.ndarray
         raise DataError("a chat message has a list of parts (images?): set data.images = true for image data")
 
     def render(msgs, gen=False):
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        return apply_chat_template(tokenizer, msgs, tokenize=False, add_generation_prompt=gen)
 
     full = render(messages)
     spans = []
@@ -47,19 +48,39 @@ def chat_tokens(tokenizer, messages: list[dict]) -> tuple[np.ndarray, np.ndarray
     return ids, mask
 
 
+def token_record_problem(rec: dict) -> str | None:
+    """Why a data.mode = 'tokens' record cannot be trained on as written, or None. Only JSON integers are token
+    ids and only 0/1 or true/false are mask entries: numpy's casts turned 5.9, "12" and true into 5, 12 and 1, and
+    a loss_mask "0" or "false" into True (prompt tokens trained)."""
+    ids, mask = rec.get("input_ids"), rec.get("loss_mask")
+    if not isinstance(ids, list) or (bad := next((i for i in ids if type(i) is not int), None)) is not None:
+        shown = ids if not isinstance(ids, list) else bad
+        return f"has input_ids that are not a list of integers (found {shown!r}): write token ids as JSON integers"
+    if mask is None:
+        return None
+    if not isinstance(mask, list) or (bad := next((m for m in mask if type(m) not in (int, bool) or m not in (0, 1)),
+                                                  None)) is not None:
+        shown = mask if not isinstance(mask, list) else bad
+        return f"has a loss_mask entry {shown!r}: write 0/1 or true/false"
+    if len(mask) != len(ids):
+        return f"has {len(ids)} input_ids but {len(mask)} loss_mask entries"
+    return None
+
+
 def tokenize_documents(docs: list, tokenizer, mode: str, add_bos: bool = False, add_eos: bool = True):
     """-> list of (ids int64 [n], loss mask bool [n] or None for all-True)."""
     out = []
     if mode == "tokens":
         vocab = len(tokenizer)
         for n, rec in enumerate(docs, 1):
+            problem = token_record_problem(rec)
+            if problem:
+                raise DataError(f"record {n} {problem}")
             ids = np.asarray(rec["input_ids"], dtype=np.int64)
-            if ids.ndim != 1 or ids.size and not 0 <= ids.min() <= ids.max() < vocab:  # else an IndexError mid-forward
+            if ids.size and not 0 <= ids.min() <= ids.max() < vocab:  # else an IndexError mid-forward
                 raise DataError(f"record {n} has input_ids that are not token ids of the tokenizer (0..{vocab - 1}): "
                                 "the records were made with another tokenizer, or are corrupt")
             mask = rec.get("loss_mask")
-            if mask is not None and len(mask) != len(ids):
-                raise DataError(f"a record has {len(ids)} input_ids but {len(mask)} loss_mask entries")
             out.append((ids, None if mask is None else np.asarray(mask, dtype=bool)))
         return out
     if mode == "sft":

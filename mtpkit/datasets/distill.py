@@ -20,6 +20,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..data.reading import DataError
+from ..manifest import read_manifest
 from ..tokenizer import encode_prompt
 from .distill_features import HiddenCapture, HiddenShards
 
@@ -76,16 +78,55 @@ def _quoted(line: str) -> str:
     return m.group(1).strip(' "') if m else line
 
 
-def _done_indices(out_path: Path) -> set[int]:
-    """Indices of the prompts already in OUT; a torn last line (killed mid-write) is cut off."""
+def manifest_path(out_path) -> Path:
+    """Where a distillation output records who wrote it (mtpkit/manifest.py)."""
+    out_path = Path(out_path)
+    return out_path.with_name(out_path.name + ".manifest.json")
+
+
+def prompts_path(out_path) -> Path:
+    out_path = Path(out_path)
+    return out_path.with_name(out_path.name + ".prompts.jsonl")
+
+
+def check_output(out_path) -> dict | None:
+    """The manifest of the distillation output `out_path`: None for a new output (or one an mtpkit without
+    manifests started, known by its prompt list). A path that holds anything else is refused: the run would cut
+    its last line and append to it."""
+    out_path = Path(out_path)
+    if out_path.exists() and not out_path.is_file():
+        raise DataError(f"--out {out_path} is not a regular file: give the path of a JSONL file to write")
+    manifest = read_manifest(manifest_path(out_path))
+    if manifest is None and out_path.exists() and out_path.stat().st_size and not prompts_path(out_path).exists():
+        raise DataError(f"{out_path} already holds data that mtpkit distill did not write (no "
+                        f"{manifest_path(out_path).name} beside it): give --out a new file")
+    return manifest
+
+
+def _record_index(line: bytes, where: str, n: int) -> int:
+    try:
+        i = json.loads(line)["index"]
+    except (ValueError, KeyError, TypeError):
+        i = None
+    if type(i) is not int or not 0 <= i < n:
+        raise DataError(f"{where} is not a record of this distillation (want a JSON object with an \"index\" in "
+                        f"0..{n - 1}): give --out a new file")
+    return i
+
+
+def _done_indices(out_path: Path, n: int) -> set[int]:
+    """Indices of the prompts already in OUT (each checked: 0..n-1); a torn last line (killed mid-write) is cut
+    off."""
     if not out_path.exists():
         return set()
     data = out_path.read_bytes()
     end = data.rfind(b"\n") + 1
+    done = {_record_index(line, f"{out_path}:{k}", n) for k, line in enumerate(data[:end].splitlines(), 1)
+            if line.strip()}
     if end < len(data):
         with out_path.open("r+b") as f:
             f.truncate(end)
-    return {json.loads(line)["index"] for line in data[:end].splitlines() if line.strip()}
+    return done
 
 
 def distill(model, tokenizer, prompts: list[dict], out_path, *, max_new_tokens: int = 128, batch_size: int = 32,
@@ -98,7 +139,7 @@ def distill(model, tokenizer, prompts: list[dict], out_path, *, max_new_tokens: 
     by this call), "seconds", "tokens_per_second"}."""
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = _done_indices(out_path)
+    done = _done_indices(out_path, len(prompts))
     encoded = [encode_prompt(tokenizer, p["prompt"], p["chat"]) for p in prompts]
     order = _interleaved(len(prompts), done, encoded, batch_size)
     total, start = 0, time.perf_counter()
@@ -137,41 +178,71 @@ def read_user_prompts(path) -> list[dict]:
 
 
 def distill_model(model_path, out, build, *, device: str = "auto", dtype: str = "auto", batch_size: int = 64,
-                  max_new_tokens: int = 128, features=None, topk: int = 0, max_minutes: float | None = None) -> dict:
+                  max_new_tokens: int = 128, features=None, topk: int = 0, max_minutes: float | None = None,
+                  recorded: dict | None = None) -> dict:
     """`mtpkit distill` as a function: load the model (default: the embedded SmolLM2) on `device` in `dtype`
     ("auto": measured, `kernels.compute_dtype`), take the prompts from `build(tokenizer)` on the first run (kept
     next to `out` for resumes), distill them into `out` and, with `features`, write the features directory.
-    Returns `distill`'s figures."""
+    One run at a time per `out` (a lock beside it). `OUT.manifest.json` records the model, the compute dtype,
+    max_new_tokens, topk and `recorded` (the caller's arguments that chose the prompts); a resume that differs is
+    refused, and "auto" resumes in the recorded dtype. Returns `distill`'s figures."""
+    from ..locking import OutputLock
+
+    out = Path(out)
+    check_output(out)  # a foreign file gets no lock file beside it (checked again under the lock)
+    with OutputLock(out.with_name(out.name + ".lock"), f"distill output {out}"):
+        return _distill_model(model_path, out, build, device=device, dtype=dtype, batch_size=batch_size,
+                              max_new_tokens=max_new_tokens, features=features, topk=topk, max_minutes=max_minutes,
+                              recorded=recorded or {})
+
+
+def _distill_model(model_path, out: Path, build, *, device, dtype, batch_size, max_new_tokens, features, topk,
+                   max_minutes, recorded: dict) -> dict:
+    import torch
+
     from ..assets import default_gguf_path
     from ..checkpoint.hf import load_model
     from ..data.features import model_identity
     from ..kernels.compute_dtype import describe, resolve
+    from ..manifest import check_or_write_manifest
     from ..parallel.distributed import pick_device
     from ..tokenizer import load_tokenizer
+    from .distill_features import writer_name
+    from .features import check_writer
 
+    manifest = check_output(out)
+    if features:  # before the work: the features directory is written at the end
+        check_writer(features, writer_name(out))
     device = pick_device(device, setting="--device {}")
     path = Path(model_path) if model_path else default_gguf_path()
     model = load_model(path).eval()
     if topk < 0 or topk > model.config.vocab_size:
         raise ValueError(f"--topk must lie in 0..{model.config.vocab_size}, not {topk}")
     identity = model_identity(model)  # of the weights as loaded, which training loads too
-    compute = resolve(dtype, device, model.config)
-    if dtype == "auto":
-        print(f"compute dtype: {str(compute).removeprefix('torch.')} (measured: "
-              f"{describe(device, model.config.hidden_size, model.config.intermediate_size)})")
+    if dtype == "auto" and manifest and manifest.get("dtype") in ("float32", "bfloat16"):  # resumed: as it started
+        compute = getattr(torch, manifest["dtype"])
+    else:
+        compute = resolve(dtype, device, model.config)
+        if dtype == "auto":
+            print(f"compute dtype: {str(compute).removeprefix('torch.')} (measured: "
+                  f"{describe(device, model.config.hidden_size, model.config.intermediate_size)})")
+    compute_name = str(compute).removeprefix("torch.")
+    check_or_write_manifest(manifest_path(out), {
+        "writer": "mtpkit distill", "model": identity, "dtype": compute_name, "max_new_tokens": max_new_tokens,
+        "topk": topk, "args": recorded}, f"distill output {out}",
+        "give the same --model, --dtype and arguments to continue it, or write to another --out")
     model = model.to(device=device, dtype=compute)
     tokenizer = load_tokenizer(path)
-    out = Path(out)
-    prompts = load_or_build_prompts(model, tokenizer, out.with_name(out.name + ".prompts.jsonl"),
-                                    lambda: build(tokenizer), batch_size=batch_size)
+    prompts = load_or_build_prompts(model, tokenizer, prompts_path(out), lambda: build(tokenizer),
+                                    batch_size=batch_size)
     shards = HiddenShards(out) if features else None
     info = distill(model, tokenizer, prompts, out, max_new_tokens=max_new_tokens, batch_size=batch_size,
                    shards=shards, topk=topk, max_seconds=None if max_minutes is None else 60 * max_minutes)
     print(f"{info['done']} of {len(prompts)} prompts done; {info['tokens']} new tokens in {info['seconds']:.0f} s "
-          f"({info['tokens_per_second']:.0f} tokens/s, {str(compute).removeprefix('torch.')}, {device.type}) -> {out}")
+          f"({info['tokens_per_second']:.0f} tokens/s, {compute_name}, {device.type}) -> {out}")
     if shards is not None and info["done"]:
         records = shards.assemble(out, tokenizer, identity, model.config.vocab_size, features, topk=topk,
-                                  hidden_dtype="bfloat16")
+                                  hidden_dtype="bfloat16", compute=compute_name)
         print(f"features of {records} records -> {features}")
     return info
 

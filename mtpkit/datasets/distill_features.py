@@ -16,12 +16,30 @@ of each record holds zeros: no token of the record follows it, so no training ta
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .features import mark_done, open_features, read_distilled, stored_hidden, topk_logprobs
+from ..data.reading import DataError
+from .features import mark_done, open_features, read_distilled, stored_hidden, topk_logprobs, writer_lock
+
+
+def writer_name(records) -> str:
+    """Who a features directory assembled from the distillation output `records` was written by."""
+    return f"mtpkit distill --out {Path(records).resolve()}"
+
+
+def _read_shard(path: Path, names) -> dict[str, np.ndarray]:
+    """The arrays `names` of a shard (those it holds); a damaged shard (a disk error: writes go through an
+    fsynced rename) named in one line."""
+    try:
+        with np.load(path) as z:
+            return {name: z[name] for name in names if name in z.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        raise DataError(f"hidden-state shard {path} is damaged ({type(e).__name__}: {e}): distill again into a "
+                        "new --out, or build the features with `mtpkit features`") from None
 
 
 class HiddenCapture:
@@ -55,7 +73,8 @@ class HiddenShards:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def paths(self) -> list[Path]:
-        return sorted(self.root.glob("[0-9]*.npz"))
+        """The finished shards: NNNNNN.npz only (a temporary file of a killed write is named .NNNNNN.tmp)."""
+        return sorted(p for p in self.root.glob("*.npz") if p.stem.isdigit())
 
     def write(self, indices: list[int], capture: HiddenCapture, lengths: list[int]) -> None:
         """One batch: prompt indices, their record lengths (prompt + completion) and the captured rows."""
@@ -67,30 +86,36 @@ class HiddenShards:
         arrays = {name: np.concatenate([r[j] for r in rows]) for j, name in enumerate(names)}
         last = self.paths()
         path = self.root / f"{int(last[-1].stem) + 1 if last else 0:06d}.npz"
-        tmp = path.with_name(path.stem + ".tmp.npz")
+        tmp = path.with_name(f".{path.stem}.tmp")  # never matched by paths(), replaced by the next write
         with open(tmp, "wb") as f:
             np.savez(f, index=np.asarray(indices, np.int64), stored=np.asarray(lengths, np.int64) - 1, **arrays)
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(path)
 
-    def assemble(self, records, tokenizer, identity: dict, vocab_size: int, out, *, topk: int,
-                 hidden_dtype: str) -> int:
-        """Write the features directory `out` for the records file `records` from the shards; returns its
-        records."""
+    def assemble(self, records, tokenizer, identity: dict, vocab_size: int, out, *, topk: int, hidden_dtype: str,
+                 compute: str) -> int:
+        """Write the features directory `out` for the records file `records` (distilled computing in `compute`)
+        from the shards; returns its records. `out` may only hold features assembled for the same records file."""
+        with writer_lock(out):
+            return self._assemble(records, tokenizer, identity, vocab_size, out, topk=topk,
+                                  hidden_dtype=hidden_dtype, compute=compute)
+
+    def _assemble(self, records, tokenizer, identity, vocab_size, out, *, topk, hidden_dtype, compute) -> int:
         files, raw, docs = read_distilled(records, tokenizer)
         where = {}  # prompt index -> (shard, first row, rows); a later shard replaces a left-over one
         for s, path in enumerate(self.paths()):
-            with np.load(path) as z:
-                starts = np.concatenate([[0], np.cumsum(z["stored"])])
-                for j, i in enumerate(z["index"].tolist()):
-                    where[i] = (s, int(starts[j]), int(z["stored"][j]))
+            z = _read_shard(path, ("index", "stored"))
+            starts = np.concatenate([[0], np.cumsum(z["stored"])])
+            for j, i in enumerate(z["index"].tolist()):
+                where[i] = (s, int(starts[j]), int(z["stored"][j]))
         missing = [r["index"] for r in raw if r["index"] not in where]
         if missing:
             raise ValueError(f"{records}: {len(missing)} records have no hidden-state shard in {self.root} (e.g. "
                              f"prompt {missing[0]}): they were distilled without --features; build the features with "
                              "`mtpkit features` instead")
         arrays, _ = open_features(identity, vocab_size, files, docs, out, topk=topk, hidden_dtype=hidden_dtype,
+                                  compute=compute, writer=writer_name(records),
                                   fresh=True)
         offsets = np.concatenate([[0], np.cumsum([len(d) for d, _ in docs])])
         by_shard: dict[int, list[int]] = {}
@@ -99,11 +124,10 @@ class HiddenShards:
         names = ["hidden"] + (["topk_ids", "topk_logprobs"] if topk else [])
         paths = self.paths()
         for s, recs in by_shard.items():
-            with np.load(paths[s]) as z:
-                if topk and ("topk_ids" not in z.files or z["topk_ids"].shape[1] < topk):
-                    raise ValueError(f"{paths[s]} holds fewer than the top-{topk}: use the --topk the run was "
-                                     "distilled with")
-                shard = {name: z[name] for name in names}
+            shard = _read_shard(paths[s], names)
+            if topk and ("topk_ids" not in shard or shard["topk_ids"].shape[1] < topk):
+                raise ValueError(f"{paths[s]} holds fewer than the top-{topk}: use the --topk the run was "
+                                 "distilled with")
             for r in recs:
                 _, a, n = where[raw[r]["index"]]
                 for name in names:

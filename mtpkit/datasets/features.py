@@ -11,9 +11,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..data.features import HIDDEN_DTYPES, VERSION, bf16_to_numpy, model_identity
+from ..data.features import HIDDEN_DTYPES, VERSION, array_shapes, bf16_to_numpy, load_array, model_identity
 from ..data.reading import DataError, read_records
-from ..data.tokenizing import tokenize_documents
+from ..data.tokenizing import token_record_problem, tokenize_documents
+from ..locking import OutputLock
+
+_FILLED = ("hidden", "topk_ids", "topk_logprobs")  # the arrays the trunk's forwards fill
+_OWN = {"meta.json", "progress.json", "writer.lock", *(f"{name}.npy" for name in ("input_ids", "loss_mask",
+                                                                                   "offsets", *_FILLED))}
+_SINCE_ROUND_3 = ("compute", "writer")  # not in the meta.json of older directories: not compared there
+
+
+def writer_lock(out) -> OutputLock:
+    """The one-writer lock of the features directory `out`."""
+    return OutputLock(Path(out).expanduser() / "writer.lock", f"features directory {out}")
 
 
 def _records_sha(docs) -> str:
@@ -90,12 +101,9 @@ def _write_json(path: Path, obj: dict) -> None:
 
 def _open_arrays(out: Path, docs, meta: dict, fresh: bool) -> dict[str, np.ndarray]:
     """The preallocated arrays (created and the token arrays written when fresh, else reopened for writing)."""
-    N, H, k = meta["tokens"], meta["model"]["hidden_size"], meta["topk"]
-    shapes = {"hidden": ((N, H), HIDDEN_DTYPES[meta["hidden_dtype"]])}
-    if k:
-        shapes.update(topk_ids=((N, k), np.int32), topk_logprobs=((N, k), np.float32))
+    shapes = {name: shape for name, shape in array_shapes(meta).items() if name in _FILLED}
     if not fresh:
-        return {name: np.load(out / f"{name}.npy", mmap_mode="r+") for name in shapes}
+        return {name: load_array(out / f"{name}.npy", *shape, mode="r+") for name, shape in shapes.items()}
     lengths = [len(d) for d, _ in docs]
     np.save(out / "input_ids.npy", np.concatenate([d for d, _ in docs]).astype(np.int32))
     np.save(out / "loss_mask.npy", np.concatenate([np.ones(len(d), bool) if m is None else m for d, m in docs]))
@@ -111,17 +119,35 @@ def read_distilled(records, tokenizer) -> tuple[list[Path], list[dict], list[tup
     for f in files:
         if not f.is_file():
             raise FileNotFoundError(f"records file {f} does not exist")
-    raw = read_records(files, "jsonl", "input_ids", whole=True)
+    raw = read_records(files, "jsonl", "input_ids", whole=True, check=token_record_problem)
     if not raw:
         raise DataError(f"no records in {', '.join(map(str, files))}")
     return files, raw, tokenize_documents(raw, tokenizer, "tokens")
 
 
-def open_features(identity: dict, vocab_size: int, files, docs, out, *, topk: int, hidden_dtype: str,
-                  fresh: bool = False) -> tuple[dict[str, np.ndarray], int]:
-    """The features directory `out` for `docs` of a trunk with `identity` (`model_identity`): created with its
-    token arrays, or reopened to continue (refused when it holds another run's features), or created anew when
-    `fresh` (old files replaced). Returns its arrays (open for writing) and the records already done."""
+def check_writer(out, writer: str) -> None:
+    """Refuse a features directory `out` that holds other files, or features another writer made (a directory
+    from before writers were recorded is anyone's)."""
+    out = Path(out).expanduser()
+    if not out.is_dir():
+        return
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in _OWN and not p.name.endswith(".tmp"))
+    if foreign:
+        raise DataError(f"{out} holds files a features directory does not ({', '.join(foreign[:3])}): give "
+                        "another directory")
+    made_by = json.loads((out / "meta.json").read_text()).get("writer") if (out / "meta.json").exists() else None
+    if made_by not in (None, writer):
+        raise DataError(f"{out} holds features written by {made_by}, not by this {writer}: give another "
+                        "directory")
+
+
+def open_features(identity: dict, vocab_size: int, files, docs, out, *, topk: int, hidden_dtype: str, compute: str,
+                  writer: str, fresh: bool = False) -> tuple[dict[str, np.ndarray], int]:
+    """The features directory `out` for `docs` of a trunk with `identity` (`model_identity`) computing in
+    `compute`, written by `writer`: created with its token arrays, or reopened to continue (refused when it
+    holds another run's features), or created anew when `fresh` (old files replaced, if the same writer made
+    them). A directory holding other files is refused. Returns its arrays (open for writing) and the records
+    already done."""
     if hidden_dtype not in HIDDEN_DTYPES:
         raise ValueError(f"hidden dtype must be one of {', '.join(HIDDEN_DTYPES)}, not {hidden_dtype!r}")
     if topk < 0 or topk > vocab_size:
@@ -131,16 +157,17 @@ def open_features(identity: dict, vocab_size: int, files, docs, out, *, topk: in
                         "model")
     meta = {"version": VERSION, "model": identity, "records_sha": _records_sha(docs), "records": len(docs),
             "tokens": int(sum(len(d) for d, _ in docs)), "hidden_dtype": hidden_dtype, "topk": topk,
-            "sources": [str(f) for f in files]}
+            "compute": compute, "writer": writer, "sources": [str(f) for f in files]}
     out = Path(out).expanduser()
+    check_writer(out, writer)
     out.mkdir(parents=True, exist_ok=True)
     if fresh:
         (out / "meta.json").unlink(missing_ok=True)
     new = not (out / "meta.json").exists()
     if not new:
         old = json.loads((out / "meta.json").read_text())
-        keys = ("version", "model", "records_sha", "records", "tokens", "hidden_dtype", "topk")
-        diff = [k for k in keys if old.get(k) != meta[k]]
+        keys = ("version", "model", "records_sha", "records", "tokens", "hidden_dtype", "topk") + _SINCE_ROUND_3
+        diff = [k for k in keys if old.get(k, meta[k] if k in _SINCE_ROUND_3 else None) != meta[k]]
         if diff:
             raise ValueError(f"{out} holds features of another run (different {', '.join(diff)}): use another "
                              "--out or delete that directory")
@@ -166,16 +193,25 @@ def build_features(model, tokenizer, records, out, *, topk: int = 0, hidden_dtyp
     row and 180-200 in one packed row, where the masked attention is quadratic). Resumable: a second call with
     the same model and records continues where a killed one stopped. Returns {"records", "tokens", "seconds",
     "tokens_per_second"} of this call."""
-    from tqdm import tqdm
-
     if compute not in ("float32", "bfloat16", "autocast"):
         raise ValueError(f"compute must be float32, bfloat16 or autocast, not {compute!r}")
     if batch_tokens < 1 or row_tokens < 1:
         raise ValueError("batch_tokens and row_tokens must be >= 1")
     files, _, docs = read_distilled(records, tokenizer)
     out = Path(out).expanduser()
-    arrays, done = open_features(model_identity(model), model.config.vocab_size, files, docs, out, topk=topk,
-                                 hidden_dtype=hidden_dtype)
+    check_writer(out, "mtpkit features")  # before the lock file goes into a directory that is not ours
+    with writer_lock(out):
+        return _fill(model, docs, out, *open_features(
+            model_identity(model), model.config.vocab_size, files, docs, out, topk=topk, hidden_dtype=hidden_dtype,
+            compute=compute, writer="mtpkit features"), topk=topk, hidden_dtype=hidden_dtype, compute=compute,
+            batch_tokens=batch_tokens, row_tokens=row_tokens, progress=progress)
+
+
+def _fill(model, docs, out: Path, arrays: dict, done: int, *, topk: int, hidden_dtype: str, compute: str,
+          batch_tokens: int, row_tokens: int, progress: bool) -> dict:
+    """build_features' trunk passes over the records from `done` on."""
+    from tqdm import tqdm
+
     if compute == "bfloat16":
         model = model.to(torch.bfloat16)
     lengths = [len(d) for d, _ in docs]

@@ -12,12 +12,16 @@ each load of x (`block`) is the caller's choice: the router times each where it 
 It is one more candidate of the decode router (decode/matmul_routing.py), which uses it only for the shapes where
 it measures fastest on the machine that runs; F.linear stays the reference (tests/kernels/test_thin_matmul.py).
 It is built with torch's C++ extension loader (ninja, the C++ compiler) into torch's extension cache the first time
-a process asks for it (~20 s), and skipped with one warning if it cannot be built.
+a process asks for it (~20 s), and skipped with one warning if it cannot be built. Its name there carries a hash of
+the sources and flags, so checkouts with other sources keep their own builds (one shared name was rebuilt at every
+switch), and a build lock left by a builder that was killed is removed (torch's loader waits on it for ever).
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
 import os
 import pathlib
 import platform
@@ -26,8 +30,10 @@ import warnings
 
 import torch
 
+CSRC = pathlib.Path(__file__).parent / "csrc"
 # one extension, op namespace mtpkit_cpu: the thin product and the fused decoder layer built on it (decode_layer.py)
-SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("thin_matmul.cpp", "decode_layer.cpp")]
+SOURCES = ("thin_matmul.cpp", "decode_layer.cpp")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
 MAX_ROWS = 16  # csrc/thin_product.h kMaxRows: more than 8 rows run as groups of at most 8
 BLOCKS = (1, 2, 4)  # weight rows per pass that share each load of x; the fastest depends on the rows and the CPU
 
@@ -48,17 +54,42 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+def extension_name(csrc: pathlib.Path = CSRC) -> str:
+    """The extension's name in torch's cache: a hash of every file under csrc (headers too) and the flags."""
+    h = hashlib.sha256(" ".join(CFLAGS).encode())
+    for p in sorted(csrc.iterdir()):
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return f"mtpkit_cpu_kernels_{h.hexdigest()[:16]}"
+
+
+def build(name: str, build_dir: pathlib.Path, csrc: pathlib.Path = CSRC) -> None:
+    """Build (or find built) and load the extension. mtpkit's builds of one name take turns on a flock, which the
+    kernel drops when its holder dies; so a torch `lock` file found while holding it is a killed build's."""
+    from torch.utils.cpp_extension import load
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "mtpkit_build.flock", "a") as turn:
+        fcntl.flock(turn, fcntl.LOCK_EX)  # waits while another process builds
+        stale = build_dir / "lock"
+        if stale.exists():
+            stale.unlink(missing_ok=True)
+            warnings.warn(f"mtpkit: removed {stale}, left by a kernel build that was killed (torch's loader would "
+                          "wait on it for ever); building again")
+        load(name, [str(csrc / s) for s in SOURCES], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+             build_directory=str(build_dir), is_python_module=False)
+
+
 @functools.cache
 def available() -> bool:
     """Build (once per machine, cached by torch) and load the kernel; False, with one warning, where it cannot."""
     if not supported():
         return False
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory  # torch's own cache layout (root, py, cuda)
 
         _put_ninja_on_path()
-        load("mtpkit_cpu_kernels", [str(p) for p in SOURCES], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-             extra_ldflags=["-fopenmp"], is_python_module=False)
+        name = extension_name()
+        build(name, pathlib.Path(_get_build_directory(name, verbose=False)))
     except Exception as e:  # no compiler, no ninja, a failed build: decoding keeps torch's own products
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [""]
         cause = next((ln for key in ("not found", "error:") for ln in lines if key in ln.lower()), lines[-1])

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..chat_template import apply_chat_template
 from .vlm import VISION_INPUTS, VisionLanguageModel
 
 _PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
@@ -79,8 +80,8 @@ def image_inputs(model, processor, prompt: str, images=(), chat: bool = False) -
     if chat:
         if not getattr(processor.tokenizer, "chat_template", None):
             raise ValueError("chat prompts need a tokenizer with a chat template; this one has none")
-        prompt = processor.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                         add_generation_prompt=True)
+        prompt = apply_chat_template(processor.tokenizer, [{"role": "user", "content": prompt}], tokenize=False,
+                                     add_generation_prompt=True)
     out = processor(text=prompt, images=images or None, return_tensors="pt")
     keys = ("input_ids", *VISION_INPUTS)
     return {k: torch.as_tensor(out[k]) for k in keys if k in out and out[k] is not None}

@@ -71,6 +71,23 @@ def _dcp_errors(path: Path):
                                 f"({type(e).__name__}: {first[-1] if first else ''})") from None
 
 
+@contextlib.contextmanager
+def _save_errors(run_dir, tmp: Path):
+    """A failed save (a full disk, most often) as one line naming the last good checkpoint, its partial files
+    removed: left in place they keep the disk full and the resume fails the same way."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except (CheckpointException, OSError) as e:  # noqa: B014 (CheckpointException is not an Exception)
+        shutil.rmtree(tmp, ignore_errors=True)
+        cause = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+        last = latest_checkpoint(run_dir)
+        raise CheckpointError(f"saving checkpoint {tmp.name.removesuffix('.tmp')} failed ({cause}); its partial "
+                              f"files were removed. The last good checkpoint is {last or 'none (no step saved)'}: "
+                              "free disk space, then run the same command to resume from it") from None
+
+
 def checkpoint_root(run_dir) -> Path:
     return Path(run_dir) / "checkpoints"
 
@@ -172,20 +189,34 @@ def save_checkpoint(run_dir, step: int, model, optimizer, scheduler, loader, dis
                     config: dict | None = None) -> Path:
     """Collective: every rank calls it. `config` ({"train": TrainConfig dict, "model": config.json dict}) is
     stored for the comparison on resume. Returns the checkpoint directory."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     from ..parallel.distributed import barrier, broadcast_object
 
     root = checkpoint_root(run_dir)
     final = root / f"step-{step:08d}"
     tmp = root / f"{final.name}.tmp"
+    with _save_errors(run_dir, tmp):
+        if dist.is_main:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        barrier(dist)
+        _save_files(tmp, final, step, model, optimizer, scheduler, loader, dist, config)
     if dist.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+        for old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
     barrier(dist)
+    return broadcast_object(final, dist)
+
+
+def _save_files(tmp: Path, final: Path, step: int, model, optimizer, scheduler, loader, dist,
+                config: dict | None) -> None:
+    """save_checkpoint's writes: the state into `tmp`, fsynced, listed in its marker, then renamed to `final`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from ..parallel.distributed import barrier
+
     with _quiet():
         model_sd, optim_sd = get_state_dict(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
@@ -204,11 +235,7 @@ def save_checkpoint(run_dir, step: int, model, optimizer, scheduler, loader, dis
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        fsync(root)
-        for old in list_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    barrier(dist)
-    return broadcast_object(final, dist)
+        fsync(final.parent)
 
 
 def _flat(train_cfg: dict) -> dict:

@@ -31,6 +31,7 @@ from ..checkpoint.hf import hf_config_dict
 from ..data.build import build_data
 from ..data.images import batch_rows
 from ..data.packing import DataLoader
+from ..locking import OutputLock
 from ..models.multimodal import load_processor
 from ..parallel.apply import parallelize
 from ..parallel.distributed import all_reduce_sum, barrier, init_distributed, shutdown
@@ -112,6 +113,9 @@ class Trainer:
         self.tokenizer = load_tokenizer(tokenizer_path(cfg))
         self.processor = load_processor(tokenizer_path(cfg)) if cfg.data.images else None
         model = build_train_model(cfg)
+        if cfg.data.seq_len > model.config.max_position_embeddings:  # rotary positions it was never trained at
+            raise ValueError(f"data.seq_len = {cfg.data.seq_len} is beyond the model's max_position_embeddings "
+                             f"({model.config.max_position_embeddings}): lower data.seq_len to at most that")
         if len(self.tokenizer) > model.config.vocab_size:
             raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is "
                              f"{model.config.vocab_size}: use the model's own tokenizer")
@@ -141,8 +145,14 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
         self.step = 0
         self.last_checkpoint: Path | None = None
-        self._write_run_files()
-        self._maybe_resume()
+        self._lock: OutputLock | None = None
+        self._hold_run_dir()
+        try:
+            self._maybe_resume()  # its checks (the checkpoint's model and config) before any run file is written
+            self._write_run_files()
+        except BaseException:
+            self._release_run_dir()
+            raise
 
         self.flops_per_token = flops_per_token(self.model_config, cfg.data.seq_len, cfg.mtp.depth, cfg.mtp.only)
         self.peak = peak_flops(self.device, cfg.log.peak_tflops)
@@ -150,6 +160,16 @@ class Trainer:
         self._stop_requested = False
 
     # -------------------------------------------------------------------------------------------------- run files
+    def _hold_run_dir(self) -> None:
+        """One trainer per run directory (rank 0 holds it for all ranks) from the checks to the end of fit."""
+        if self.dist.is_main and self._lock is None:
+            self._lock = OutputLock(self.run_dir / "writer.lock", f"run directory {self.run_dir}")
+
+    def _release_run_dir(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
     def _write_run_files(self) -> None:
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -367,6 +387,7 @@ class Trainer:
         from tqdm import tqdm
 
         cfg = self.cfg
+        self._hold_run_dir()
         self._tb = None
         if cfg.log.tensorboard and self.dist.is_main:
             try:
@@ -412,6 +433,7 @@ class Trainer:
             ):
                 self.save()
         finally:
+            self._release_run_dir()
             bar.close()
             for sig, h in handlers.items():
                 signal.signal(sig, h)
@@ -426,6 +448,7 @@ class Trainer:
     def close(self) -> None:
         """Free the (sharded) model and optimizer, then shut the process group down. Sharded tensors that outlive
         the process group after a DCP save made ~1 in 6 gloo runs abort at interpreter exit."""
+        self._release_run_dir()
         if self.dist.enabled:
             import gc
 

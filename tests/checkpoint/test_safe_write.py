@@ -145,3 +145,55 @@ def test_integer_tensor_is_refused_with_dtype_none(tmp_path):
     save_file(sd, str(out / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"model\.norm\.weight holds torch\.int64, not floating-point"):
         mtpkit.load_model(out, dtype=None)
+
+
+@pytest.mark.parametrize("killed_at", ["between the renames", "before the swap"])
+def test_a_killed_overwrite_never_leaves_a_mix_and_the_next_write_recovers(tmp_path, killed_at):
+    """export --overwrite killed between per-file renames left new weights beside the old tokenizer (loading
+    without complaint) and a hidden full copy. Now the directory is swapped whole: a kill leaves the old
+    directory or none, never a mix, and the next write puts it back and removes the copy."""
+    out, new = tmp_path / "m", tmp_path / "new"
+    mtpkit.save_model(tiny_model(0), out)
+    (out / "tokenizer.json").write_text("old tokenizer")
+    mtpkit.save_model(tiny_model(1), new)
+    kill = {"between the renames": "real(a, b); os._exit(9)", "before the swap": "os._exit(9)"}[killed_at]
+    code = ("import os, sys, mtpkit\nreal = os.replace\n"
+            f"def cut(a, b):\n    if str(b) == sys.argv[2] or str(a) == sys.argv[2]:\n        {kill}\n    real(a, b)\n"
+            "os.replace = cut\nmtpkit.save_model(mtpkit.load_model(sys.argv[1]), sys.argv[2], overwrite=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(new), str(out)], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 9, proc.stderr[-2000:]
+    if out.exists():  # killed before the swap: the old directory, whole
+        assert _equal(mtpkit.load_model(out), tiny_model(0))
+    assert len(list(tmp_path.glob(".m.*"))) >= 1  # the dead writer's copies
+    mtpkit.save_model(tiny_model(2), out, overwrite=True)  # the next write recovers, then replaces
+    assert _equal(mtpkit.load_model(out), tiny_model(2)) and (out / "tokenizer.json").read_text() == "old tokenizer"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "new"]
+
+
+def test_weight_files_are_written_with_the_usual_mode(tmp_path):
+    """safetensors writes 0600; config.json beside it was 0644 (umask 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    mtpkit.save_model(tiny_model(0), tmp_path / "m")
+    assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "m").iterdir()} == {
+        "config.json": 0o666 & ~umask, "model.safetensors": 0o666 & ~umask}
+    assert (tmp_path / "m").stat().st_mode & 0o777 == 0o777 & ~umask
+
+
+def test_a_failed_swap_puts_the_old_directory_back(tmp_path, monkeypatch):
+    from mtpkit.checkpoint import safe_write
+
+    out = tmp_path / "m"
+    mtpkit.save_model(tiny_model(0), out)
+    real = os.replace
+
+    def fails_into_place(a, b):
+        if str(b) == str(out) and ".tmp" in str(a):
+            raise OSError(5, "Input/output error")
+        real(a, b)
+
+    monkeypatch.setattr(safe_write.os, "replace", fails_into_place)
+    with pytest.raises(OSError, match="Input/output error"):
+        mtpkit.save_model(tiny_model(1), out, overwrite=True)
+    assert _equal(mtpkit.load_model(out), tiny_model(0)) and sorted(p.name for p in tmp_path.iterdir()) == ["m"]

@@ -74,7 +74,7 @@ def _distill(model_dir, tok, prompts, out, **kw):
 
 def _assemble(model, tok, shards, records, out):
     return shards.assemble(records, tok, model_identity(model), model.config.vocab_size, out, topk=4,
-                           hidden_dtype="bfloat16")
+                           hidden_dtype="bfloat16", compute="float32")
 
 
 def test_distilled_features_equal_a_features_pass_over_the_same_records(tiny, tmp_path):
@@ -84,7 +84,8 @@ def test_distilled_features_equal_a_features_pass_over_the_same_records(tiny, tm
     assert _assemble(model, tok, shards, tmp_path / "d.jsonl", tmp_path / "fused") == 8
     build_features(model, tok, tmp_path / "d.jsonl", tmp_path / "pass", topk=4, compute="float32", progress=False)
     fused, ref = FeatureStore(tmp_path / "fused"), FeatureStore(tmp_path / "pass")
-    assert fused.meta == ref.meta  # same records, trunk, dtypes: interchangeable for training
+    writer = {"writer": None}  # who wrote each apart: same records, trunk, dtypes, so interchangeable for training
+    assert dict(fused.meta, **writer) == dict(ref.meta, **writer)
     for name in ("input_ids", "loss_mask", "offsets"):
         assert np.array_equal(getattr(fused, name), getattr(ref, name))
     last = fused.offsets[1:] - 1
@@ -127,6 +128,18 @@ def test_records_without_shards_and_a_short_topk_are_refused(tiny, tmp_path):
     distill(model, tok, prompts[:2], tmp_path / "e.jsonl", max_new_tokens=4, batch_size=2, shards=shards, topk=2)
     with pytest.raises(ValueError, match="fewer than the top-4"):
         _assemble(model, tok, shards, tmp_path / "e.jsonl", tmp_path / "f")
+
+
+def test_a_damaged_shard_is_named_in_one_line(tiny, tmp_path):
+    """Two runs on one --out once left a shard with a bad checksum: every later run, a BadZipFile traceback."""
+    from mtpkit.data.reading import DataError
+
+    model_dir, tok, prompts = tiny
+    model, shards, _ = _distill(model_dir, tok, prompts[:3], tmp_path / "d.jsonl")
+    shards.paths()[0].write_bytes(b"PK\x03\x04 a torn zip")
+    with pytest.raises(DataError, match=r"hidden-state shard .*000000\.npz is damaged \(BadZipFile") as e:
+        _assemble(model, tok, shards, tmp_path / "d.jsonl", tmp_path / "f")
+    assert "\n" not in str(e.value)
 
 
 def test_training_never_reads_a_records_last_position(tiny, tmp_path):

@@ -119,6 +119,26 @@ def test_a_killed_build_resumes_and_a_mismatch_is_refused(tiny, tmp_path, monkey
     full.check_model(model)
 
 
+def test_a_resume_with_another_compute_dtype_another_writer_or_foreign_files_is_refused(tiny, tmp_path):
+    """A features build resumed in bf16 after an fp32 start mixed both in one directory (rc 0)."""
+    from mtpkit.locking import OutputBusy
+
+    model_dir, records, tok = tiny
+    model = _trunk(model_dir)
+    kw = dict(compute="float32", batch_tokens=120, row_tokens=60, progress=False)
+    build_features(model, tok, records, tmp_path / "f", **kw)
+    with pytest.raises(ValueError, match=r"holds features of another run \(different compute\)"):
+        build_features(model, tok, records, tmp_path / "f", **dict(kw, compute="bfloat16"))
+    with F.writer_lock(tmp_path / "f"), pytest.raises(OutputBusy, match=r"features directory .* is being written"):
+        build_features(model, tok, records, tmp_path / "f", **kw)
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "notes.txt").write_text("mine")
+    with pytest.raises(DataError, match=r"holds files a features directory does not \(notes\.txt\)"):
+        build_features(model, tok, records, tmp_path / "g", **kw)
+    assert sorted(p.name for p in (tmp_path / "g").iterdir()) == ["notes.txt"]
+    assert build_features(model, tok, records, tmp_path / "f", **kw)["tokens"] == 0  # power: the same run resumes
+
+
 # ------------------------------------------------------------------------------------------- training on features
 def _raw(model_dir, run_dir, **data):
     return {

@@ -147,3 +147,43 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch):
         assert not any(m in routing.THIN for m, _ in routing.candidates(2, torch.float32))
     finally:
         thin_matmul.available.cache_clear()
+
+
+def test_the_cache_name_follows_the_sources(tmp_path):
+    """Two checkouts with different kernel sources get two builds in torch's cache, not one rebuilt at each switch."""
+    import shutil
+
+    shutil.copytree(thin_matmul.CSRC, tmp_path / "csrc")
+    assert thin_matmul.extension_name(tmp_path / "csrc") == thin_matmul.extension_name()
+    header = tmp_path / "csrc" / "thin_product.h"
+    header.write_text(header.read_text() + "\n// changed\n")
+    assert thin_matmul.extension_name(tmp_path / "csrc") != thin_matmul.extension_name()
+
+
+def test_a_killed_builds_lock_is_removed_and_a_live_build_is_waited_for(tmp_path, monkeypatch):
+    """torch's loader waits for ever on a `lock` file a killed build left (every later generate hung, silently)."""
+    import fcntl
+    import threading
+    import time
+
+    import torch.utils.cpp_extension as cpp
+
+    seen = []
+    monkeypatch.setattr(cpp, "load", lambda *a, **kw: seen.append((tmp_path / "ext" / "lock").exists()))
+    (tmp_path / "ext").mkdir()
+    (tmp_path / "ext" / "lock").touch()  # a build killed with -9
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        thin_matmul.build("x", tmp_path / "ext")
+    assert seen == [False] and "left by a kernel build that was killed" in str(caught[0].message)
+    # a live builder (holding mtpkit's build turn) keeps its lock: the second build waits for it
+    (tmp_path / "ext" / "lock").touch()
+    with open(tmp_path / "ext" / "mtpkit_build.flock", "a") as live:
+        fcntl.flock(live, fcntl.LOCK_EX)
+        waiting = threading.Thread(target=thin_matmul.build, args=("x", tmp_path / "ext"))
+        waiting.start()
+        time.sleep(0.5)
+        assert waiting.is_alive() and (tmp_path / "ext" / "lock").exists() and len(seen) == 1
+        (tmp_path / "ext" / "lock").unlink()  # the live build finishes
+    waiting.join(10)
+    assert seen == [False, False]

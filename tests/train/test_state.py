@@ -172,3 +172,46 @@ def test_nan_from_the_checkpointed_weights_sets_that_checkpoint_aside(tmp_path):
     resumed = _trainer(tmp_path, train={"steps": 6}, optim={"lr": 1e-3}, checkpoint={"every": 1, "keep": 2})
     assert resumed.step == 1 and resumed.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * lr_factor(1, 6, 1))
     assert torch.isfinite(torch.tensor(resumed.train_step()["loss"]))
+
+
+def test_a_refused_resume_leaves_the_run_files_as_they_were(run):
+    """Another model config in an existing run: refused, and config.toml / model_config.json still describe the
+    weights there (before the fix they were overwritten first, and export paired the new config with them)."""
+    before = {name: (run / "run" / name).read_bytes() for name in ("config.toml", "model_config.json")}
+    with pytest.raises(CheckpointError, match="intermediate_size 64 -> 48"):
+        _trainer(run, model={"config": dict(TINY_MODEL, intermediate_size=48)})
+    assert {name: (run / "run" / name).read_bytes() for name in before} == before
+
+
+def test_a_second_trainer_on_one_run_dir_is_refused(run):
+    from mtpkit.locking import OutputBusy
+
+    first = _trainer(run, train={"steps": 6})
+    with pytest.raises(OutputBusy, match=r"run directory .*run is being written by another process \(pid \d+") as e:
+        _trainer(run, train={"steps": 6})
+    assert "\n" not in str(e.value)
+    first.fit()
+    assert first.step == 6 and _trainer(run, train={"steps": 6}).step == 6  # released once the first has finished
+
+
+def test_a_full_disk_during_a_save_is_one_line_naming_the_last_good_checkpoint(run, monkeypatch):
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    real = dcp.save
+
+    def fills_the_disk(state, checkpoint_id):  # writes part of the checkpoint, then the disk is full
+        real(state, checkpoint_id=checkpoint_id)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp, "save", fills_the_disk)
+    trainer = _trainer(run, train={"steps": 6}, checkpoint={"every": 1})
+    with pytest.raises(CheckpointError) as e:
+        trainer.fit()
+    msg = str(e.value)
+    assert "\n" not in msg and "No space left on device" in msg and "partial files were removed" in msg
+    assert f"The last good checkpoint is {_ckpt(run, 4)}:" in msg
+    assert sorted(p.name for p in (run / "run" / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
+    monkeypatch.setattr(dcp, "save", real)
+    assert _trainer(run, train={"steps": 6}).step == 4  # power: the run resumes from it

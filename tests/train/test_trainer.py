@@ -184,6 +184,17 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert err.count("\n") == 0 and "unknown config key 'train.stepz'" in err and "steps" in err
 
 
+def test_seq_len_beyond_the_models_positions_is_refused_before_the_run_dir_is_made(tmp_path, capsys):
+    from mtpkit.cli import main
+
+    raw = tiny_raw_config(tmp_path, model={"config": dict(TINY_MODEL, max_position_embeddings=64)})
+    assert main(["train", str(write_toml(tmp_path / "cfg.toml", raw)), "--data.seq_len=65"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "data.seq_len = 65 is beyond the model's max_position_embeddings (64)" in err
+    assert not (tmp_path / "run").exists()
+    assert main(["train", str(tmp_path / "cfg.toml"), "--data.seq_len=64", "--train.steps=1"]) == 0  # power
+
+
 def test_ac_and_compile_wrap_blocks_without_changing_names_or_numbers():
     import copy
 

@@ -33,6 +33,7 @@ from mtpkit.bench.speedup import DEFAULT_HEAD, DEFAULT_PROMPTS, Prompt, encode_p
 from mtpkit.checkpoint.graft import graft
 from mtpkit.checkpoint.hf import save_model
 from mtpkit.checkpoint.mtp_head import load_mtp_head
+from mtpkit.decode.draft_spec import DraftSpec
 from mtpkit.datasets.distill import distill
 from mtpkit.datasets.shakespeare import shakespeare_texts
 from mtpkit.tokenizer import load_tokenizer
@@ -129,7 +130,7 @@ def evaluate(model_dir: Path, setup: dict, general: list[Prompt], vocab: torch.T
     result = {"held_out_loss": held_out_loss(model, tok, setup["eval_text"])}
     for name, prompts in (("domain", setup["domain"]), ("general", general)):
         prompts = encode_prompts([Prompt(p.text, p.chat, p.kind) for p in prompts], tok)
-        rep = run_bench(model, prompts, num_tokens=num_tokens, ks=list(KS), repeats=1, step_repeats=0,
+        rep = run_bench(model, prompts, num_tokens=num_tokens, specs=DraftSpec.grid(KS), repeats=1, step_repeats=0,
                         eos_token_id=tok.eos_token_id, progress=False)
         result[name] = {str(r["draft_tokens"]): {"mean_acceptance_length": r["mean_acceptance_length"],
                                             "speedup": r["speedup"], "identical": r["identical"]}

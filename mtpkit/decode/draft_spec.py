@@ -15,10 +15,13 @@ from dataclasses import dataclass, fields
 from .tree import normalize_widths, verified_tokens
 
 DEFAULT_NGRAM = (2, 4)
-MAX_VERIFIED_TOKENS = 256  # 50x what a CPU verify amortises; a GPU's verify gains nothing past ~64 tokens either
+# well past any configuration that pays off (docs/MTP.md's measured rows verify a few tokens to a few tens), and
+# small enough that the cache and the benchmark's step-cost table stay small
+MAX_VERIFIED_TOKENS = 256
 
 
 def _count(value, rule: str) -> int:
+    """An integer >= 0 (a numpy integer too), else a ValueError stating the rule."""
     try:
         n = operator.index(value)
     except TypeError:

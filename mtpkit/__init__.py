@@ -1,6 +1,7 @@
 """mtpkit: multi-token prediction for Qwen3.5, Qwen3-VL and Llama-family models."""
 
 from .checkpoint.hf import CheckpointError, build_model, load_model, save_model
+from .decode.draft_spec import DraftSpec
 from .decode.generate import generate
 from .decode.int8 import quantize_int8
 from .models.config import ModelConfig, config_from_hf
@@ -12,6 +13,7 @@ from .models.vlm import VisionLanguageModel
 __all__ = [
     "CausalLM",
     "CheckpointError",
+    "DraftSpec",
     "ModelConfig",
     "ModelOutput",
     "add_mtp",

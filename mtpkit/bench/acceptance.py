@@ -14,35 +14,30 @@ import statistics
 
 from tqdm import tqdm
 
+from ..decode.draft_spec import DraftSpec
 from ..decode.generate import generate
-from ..decode.lookup import DEFAULT_NGRAM
 from .report import RULE, label
-from .speedup import Prompt, acceptance_figures, spec_configs
+from .speedup import Prompt, acceptance_figures
 
 
-def run_acceptance(model, prompts: list[Prompt], *, num_tokens: int, ks: list[int], min_probs=(0.0,), widths=((),),
-                   lookups=(0,), lookup_ngram=DEFAULT_NGRAM, temperature: float = 0.0, seed: int = 0,
-                   eos_token_id=None, batch_size: int = 16, progress: bool = True) -> dict:
-    """Every speculative row of (ks, min_probs, widths, lookups), as `run_bench` forms them, over all prompts in
-    batches of `batch_size`. Returns {"runs": [figures + per_kind {kind: mean tokens per step}], "prompts": n}."""
-    specs = spec_configs(ks, min_probs, widths, lookups)
+def run_acceptance(model, prompts: list[Prompt], *, num_tokens: int, specs: list[DraftSpec], temperature: float = 0.0,
+                   seed: int = 0, eos_token_id=None, batch_size: int = 16, progress: bool = True) -> dict:
+    """Every speculative row of `specs` (`DraftSpec.grid`) over all prompts in batches of `batch_size`. Returns
+    {"runs": [figures + per_kind {kind: mean tokens per step}], "prompts": n}."""
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     bar = tqdm(total=len(specs) * len(prompts), desc="acceptance", unit="prompt", disable=not progress)
     runs = []
-    for cfg in specs:
-        k, min_prob, shape, lookup = cfg
+    for spec in specs:
         stats, kept = [], {}
         for group in batches:
-            res = generate(model, [p.inputs or p.ids for p in group], max_new_tokens=num_tokens, draft_tokens=k,
-                           draft_min_prob=min_prob, draft_widths=shape, draft_lookup=lookup,
-                           draft_lookup_ngram=lookup_ngram, temperature=temperature, seed=seed,
-                           eos_token_id=eos_token_id)
+            res = generate(model, [p.inputs or p.ids for p in group], max_new_tokens=num_tokens, draft=spec,
+                           temperature=temperature, seed=seed, eos_token_id=eos_token_id)
             stats.append(res.stats)
             for p, row in zip(group, res.accept_lengths):
                 kept.setdefault(p.kind, []).extend(row)
             bar.update(len(group))
         per_kind = {kind: statistics.mean(v) for kind, v in sorted(kept.items()) if v}
-        runs.append({**acceptance_figures(cfg, stats), "prompts": len(prompts), "per_kind": per_kind})
+        runs.append({**acceptance_figures(spec, stats), "prompts": len(prompts), "per_kind": per_kind})
     bar.close()
     return {"runs": runs, "prompts": len(prompts), "batch_size": batch_size}
 

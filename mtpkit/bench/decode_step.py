@@ -39,9 +39,9 @@ from dataclasses import replace
 
 import torch
 
-from ..decode import blockwise
-from ..decode import speculative as spec
 from ..decode.cache import Cache
+from ..decode.draft_head import DraftHead
+from ..decode.drafters import mtp_chain, parallel_heads
 from ..decode.generate import generate
 from ..decode.matmul_routing import MatmulRouter, candidates, router_for
 from ..decode.sampling import SamplingParams
@@ -150,13 +150,13 @@ def step_costs(model, ks, repeats: int, context: int, draft_vocab: int, compare_
     with routed_linears(router_for(model)):  # as generate() runs them
         one = median_ms(decode, repeats, device)
         greedy = SamplingParams()
-        heads = {"full": spec.DraftHead(model, greedy),
-                 "subset": spec.DraftHead(model, greedy, torch.arange(draft_vocab))}
+        heads = {"full": DraftHead(model, greedy),
+                 "subset": DraftHead(model, greedy, torch.arange(draft_vocab))}
         rows, delta = [], torch.zeros(1, dtype=torch.long)
         evict = cache_evictor(device)
         # the MTP runs over the rows verified from slot `context` on, then drafts from the one after it
         verified = DecodeState(cache=cache, last=ids[:, context], slot=torch.tensor([context]), slot_host=[context],
-                               rope_delta=delta, draft_hidden=None)
+                               rope_delta=delta, drafter_state=None)
         after = replace(verified, last=ids[:, context + 1], slot=verified.slot + 1, slot_host=[context + 1])
         for k in ks:
             sl = slice(context, context + k + 1)
@@ -170,9 +170,9 @@ def step_costs(model, ks, repeats: int, context: int, draft_vocab: int, compare_
                 # steps and k draft projections (parallel heads: k head layers over those rows, k projections)
                 if model.mtp_heads is not None:
                     outputs = head_outputs(model, hidden, pos[:, sl], k, cache.mtp, pos[:, sl], context + k + 1)
-                    return blockwise.draft(outputs[:, 0], head, None)
-                mtp_out = spec.mtp_extend(model, verified, hidden, ids[:, sl.start + 1 : sl.stop + 1])
-                spec.draft(model, replace(after, draft_hidden=mtp_out[:, 0]), k=k, head=head, generator=None)
+                    return parallel_heads.draft(outputs[:, 0], head, None)
+                mtp_out = mtp_chain.mtp_extend(model, verified, hidden, ids[:, sl.start + 1 : sl.stop + 1])
+                mtp_chain.draft(model, replace(after, drafter_state=mtp_out[:, 0]), k=k, head=head, generator=None)
 
             row = {"k": k, "decode_plain": one_plain, "decode": one, "best_single": single[best],
                    "best_single_name": best, "verify": median_ms(verify, repeats, device)}

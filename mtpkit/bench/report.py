@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..decode.draft_spec import DraftSpec
+
 RULE = "=" * 78
 
 
@@ -21,11 +23,8 @@ def _pct(x) -> str:
 
 
 def label(run: dict) -> str:
-    """k=3, k=3 p=0.3 when drafting was gated, k=3 w=3,2 for a draft tree of those widths, k=3 lookup=4 with
-    context drafts of up to 4 tokens."""
-    p, widths, lookup = run.get("draft_min_prob") or 0, run.get("draft_widths"), run.get("draft_lookup")
-    return (f"k={run['draft_tokens']}" + (f" p={p:g}" if p else "")
-            + (f" w={','.join(map(str, widths))}" if widths else "") + (f" lookup={lookup}" if lookup else ""))
+    """A report row's drafting configuration, as `DraftSpec.label` names it."""
+    return DraftSpec.of(run).label
 
 
 def _baseline_lines(report: dict, best: dict) -> list[str]:

@@ -21,9 +21,9 @@ import torch
 from tqdm import tqdm
 
 from ..assets import is_default_model
+from ..decode.draft_spec import DraftSpec
 from ..decode.generate import generate
-from ..decode.lookup import DEFAULT_NGRAM, most_drafts
-from ..decode.tree import normalize_widths, verified_tokens
+from ..decode.tree import verified_tokens
 from ..models.multimodal import image_inputs, open_images
 from ..tokenizer import encode_prompt
 from .decode_step import step_costs
@@ -123,15 +123,6 @@ def _timed(fn):
     return out, time.perf_counter() - start
 
 
-def spec_configs(ks, min_probs, widths=((),), lookups=(0,)) -> list[tuple[int, float, tuple[int, ...], int]]:
-    """(k, draft_min_prob, draft widths, draft_lookup) of every speculative row: each k at each threshold, tree
-    shape and context-lookup length, k = 1 once per shape (a step always proposes its first draft, so gating cannot
-    change k = 1), each shape cut to k (`tree.normalize_widths`: () is the chain); k = 0 (no head) once per
-    lookup length > 0."""
-    return sorted({(k, float(p) if k > 1 else 0.0, normalize_widths(w, k), int(n)) for k in ks for p in min_probs
-                   for w in widths for n in lookups if k or n})
-
-
 def measure_step_costs(model, k: int, context: int, repeats: int, verified: int = 0) -> dict[int, dict]:
     """Median ms of a decode step, and for L = 1..k of a verify step over L+1 tokens and of drafting L tokens
     (over the head's draft vocabulary when it carries one, as generate drafts), at `context` tokens of cache
@@ -153,17 +144,13 @@ def break_even(costs: dict[int, dict], draft_lengths: list[float], widths: tuple
     return step / costs[1]["decode"]
 
 
-def run_bench(model, prompts: list[Prompt], *, num_tokens: int, ks: list[int], min_probs=(0.0,), widths=((),),
-              lookups=(0,), lookup_ngram=DEFAULT_NGRAM, temperature: float = 0.0, repeats: int = 3, seed: int = 0,
-              eos_token_id=None, hf_model=None, baselines=("hf",), prompt_lookup: int = 10, step_repeats: int = 5,
-              progress: bool = True) -> dict:
-    """Measure every prompt under plain decoding, speculative decoding for each (k, draft_min_prob, draft widths:
-    the chain (), or a draft tree's widths per position; draft_lookup: context drafts of up to that many tokens,
-    0 = off, matching `lookup_ngram`) and, with
-    hf_model, the transformers baselines ("hf": greedy generate(), "pld": with prompt_lookup_num_tokens =
+def run_bench(model, prompts: list[Prompt], *, num_tokens: int, specs: list[DraftSpec], temperature: float = 0.0,
+              repeats: int = 3, seed: int = 0, eos_token_id=None, hf_model=None, baselines=("hf",),
+              prompt_lookup: int = 10, step_repeats: int = 5, progress: bool = True) -> dict:
+    """Measure every prompt under plain decoding, speculative decoding for each of `specs` (`DraftSpec.grid`)
+    and, with hf_model, the transformers baselines ("hf": greedy generate(), "pld": with prompt_lookup_num_tokens =
     prompt_lookup). step_repeats > 0 also times the step costs behind each row's break-even acceptance length,
     at the prompts' median length + num_tokens / 2. Returns the per-prompt and per-row figures (see `summarise`)."""
-    specs = spec_configs(ks, min_probs, widths, lookups)
     extra = list(baselines) if hf_model is not None else []
     configs = [0, *specs, *extra]
 
@@ -171,10 +158,8 @@ def run_bench(model, prompts: list[Prompt], *, num_tokens: int, ks: list[int], m
         if cfg in ("hf", "pld"):
             lookup = prompt_lookup if cfg == "pld" else 0
             return _timed(lambda: (hf_generate(hf_model, p.ids, num_tokens, eos_token_id, lookup), None))
-        k, min_prob, shape, lookup = cfg or (0, 0.0, (), 0)
-        res, sec = _timed(lambda: generate(model, [p.inputs or p.ids], max_new_tokens=num_tokens, draft_tokens=k,
-                                           draft_min_prob=min_prob, draft_widths=shape, draft_lookup=lookup,
-                                           draft_lookup_ngram=lookup_ngram, temperature=temperature, seed=seed,
+        res, sec = _timed(lambda: generate(model, [p.inputs or p.ids], max_new_tokens=num_tokens,
+                                           draft=cfg or None, temperature=temperature, seed=seed,
                                            eos_token_id=eos_token_id))
         return (res.tokens[0], res.stats), sec
 
@@ -199,8 +184,8 @@ def run_bench(model, prompts: list[Prompt], *, num_tokens: int, ks: list[int], m
     costs = None
     if step_repeats:
         context = int(statistics.median(len(p.ids) for p in prompts)) + num_tokens // 2
-        most = max(verified_tokens(w, most_drafts(k, n)) for k, _, w, n in specs)
-        costs = measure_step_costs(model, max(ks), context, step_repeats, most)
+        most = max(s.most_verified for s in specs)
+        costs = measure_step_costs(model, max(s.draft_tokens for s in specs), context, step_repeats, most)
     greedy = temperature == 0
     gaps = first_differences(model, prompts, outputs, [*specs, *extra]) if greedy else {}
     report = summarise(prompts, specs, outputs, median, baselines=extra, greedy=greedy, costs=costs, gaps=gaps)
@@ -234,19 +219,18 @@ def _rate(tokens: int, sec: float) -> float:
     return tokens / sec if sec > 0 else 0.0
 
 
-def acceptance_figures(cfg: tuple[int, float, tuple[int, ...], int], stats: list[dict]) -> dict:
-    """A speculative row's (k, draft_min_prob, draft widths, draft_lookup) and its vLLM acceptance figures summed
-    over the `generate` stats of its runs (one per prompt, or per batch of prompts)."""
-    k, min_prob, widths, lookup = cfg
-    most = most_drafts(k, lookup)
+def acceptance_figures(spec: DraftSpec, stats: list[dict]) -> dict:
+    """A speculative row's drafting knobs and its vLLM acceptance figures summed over the `generate` stats of its
+    runs (one per prompt, or per batch of prompts)."""
+    most = spec.most_drafts
     steps = sum(s["verification_steps"] for s in stats)
     accepted = sum(s["accepted"] for s in stats)
     drafted = sum(s["drafted"] for s in stats)
     return {
-        "draft_tokens": k,
-        "draft_min_prob": min_prob,
-        "draft_widths": list(widths),
-        "draft_lookup": lookup,
+        "draft_tokens": spec.draft_tokens,
+        "draft_min_prob": spec.draft_min_prob,
+        "draft_widths": list(spec.draft_widths),
+        "draft_lookup": spec.draft_lookup,
         "context_drafted_share": sum(s["context_drafted_steps"] for s in stats) / max(steps, 1),
         "verified_tokens_per_step": sum((s["verified_tokens_per_step"] or 0) * s["verification_steps"]
                                         for s in stats) / max(steps, 1),
@@ -268,7 +252,6 @@ def summarise(prompts, specs, outputs, median, *, baselines=(), greedy: bool, co
     base_tps = _rate(sum(base_tokens), sum(median[0, i] for i in range(n)))
     runs = []
     for cfg in specs:
-        k, min_prob, widths, lookup = cfg
         stats = [outputs[cfg, i][1] for i in range(n)]
         figures = acceptance_figures(cfg, stats)
         spec_tokens = [len(outputs[cfg, i][0]) for i in range(n)]
@@ -294,7 +277,8 @@ def summarise(prompts, specs, outputs, median, *, baselines=(), greedy: bool, co
             "spec_tokens_per_s": spec_tps,
             "speedup": spec_tps / base_tps if base_tps else 0.0,
             # a step's drafting cost depends on where its drafts came from, which the stop distribution does not say
-            "break_even": break_even(costs, lengths, widths) if costs and any(lengths) and not lookup else None,
+            "break_even": break_even(costs, lengths, cfg.draft_widths) if costs and any(lengths)
+            and not cfg.draft_lookup else None,
             # what a step cost in plain steps in these very runs: steadier than break_even, whose step costs are
             # timed apart, with fewer repeats (docs/MTP.md section 6: ~20% jitter on the 2-core VM)
             "realised_break_even": figures["mean_acceptance_length"] * base_tps / spec_tps if spec_tps else None,

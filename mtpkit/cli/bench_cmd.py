@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from . import draft_args
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark plain vs MTP self-speculative decoding and print a report")
@@ -18,21 +20,7 @@ def add_parser(sub) -> None:
                                      "default: 20 prompts of several kinds shipped with mtpkit")
     p.add_argument("--limit", type=int, default=0, help="use only the first N prompts of the file (0: all)")
     p.add_argument("--num-tokens", type=int, default=128, help="new tokens per prompt")
-    p.add_argument("--draft-tokens", default="1,2,3", help="comma-separated k values (0: no head, context drafts "
-                                                           "only; needs --draft-lookup)")
-    p.add_argument("--draft-min-prob", default="0",
-                   help="comma-separated thresholds p for confidence-gated drafting (a row stops drafting after a "
-                        "draft the head gives probability < p; 0: off); one row per k and p")
-    p.add_argument("--draft-widths", nargs="+", default=[], metavar="W[,W...]",
-                   help="draft trees to measure besides the chain, one per value: tokens per draft position (e.g. "
-                        "3 or 3,2: the head's top 3 at position 1, top 2 at 2, the draft alone after); each k runs "
-                        "with each; attention-only trunks (docs/MTP.md section 4)")
-    p.add_argument("--draft-lookup", default="0", metavar="L[,L...]",
-                   help="comma-separated lengths of drafts looked up in the context (prompt-lookup decoding, in "
-                        "place of the MTP's chain where a row's last 2-4 tokens occurred before; 0: off); each k "
-                        "runs with each (docs/MTP.md section 4)")
-    p.add_argument("--draft-lookup-ngram", default="2,4", metavar="MIN,MAX",
-                   help="lengths of the context's last tokens to match for --draft-lookup, longest first")
+    draft_args.add_arguments(p, grid=True)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and configuration (median)")
     p.add_argument("--baseline", help="comma-separated rows from transformers on the same model: hf (greedy "
@@ -60,14 +48,7 @@ def add_parser(sub) -> None:
 
 
 # what `run_acceptance` takes of the timed benchmark's settings
-ACCEPTANCE_KEYS = ("num_tokens", "ks", "min_probs", "widths", "lookups", "lookup_ngram", "temperature", "eos_token_id")
-
-
-def numbers(text: str, kind, flag: str) -> list:
-    try:
-        return [kind(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{flag} takes comma-separated numbers, got {text!r}") from None
+ACCEPTANCE_KEYS = ("num_tokens", "specs", "temperature", "eos_token_id")
 
 
 def run(args) -> int:
@@ -82,27 +63,14 @@ def run(args) -> int:
     from ..checkpoint.hf import load_model
     from ..checkpoint.mtp_head import load_mtp_head
     from ..decode.int8 import model_dtype, quantize_int8
-    from ..decode.lookup import check_ngram
-    from ..decode.tree import normalize_widths
     from ..models.multimodal import load_processor
     from ..tokenizer import load_tokenizer
 
-    ks = sorted(set(numbers(args.draft_tokens, int, "--draft-tokens")))
-    lookups = sorted(set(numbers(args.draft_lookup, int, "--draft-lookup"))) or [0]
-    if lookups[0] < 0:
-        raise ValueError(f"--draft-lookup needs lengths >= 0 (0: off), got {args.draft_lookup!r}")
-    if not ks or ks[0] < 0 or (ks[0] == 0 and lookups[-1] == 0):
-        raise ValueError(f"--draft-tokens needs k values >= 1 (0 too with --draft-lookup L > 0), "
-                         f"got {args.draft_tokens!r}")
-    ngram = check_ngram(numbers(args.draft_lookup_ngram, int, "--draft-lookup-ngram"))
-    min_probs = sorted(set(numbers(args.draft_min_prob, float, "--draft-min-prob"))) or [0.0]
-    if not all(0 <= p <= 1 for p in min_probs):
-        raise ValueError(f"--draft-min-prob values must be in [0, 1], got {args.draft_min_prob!r}")
-    widths = [(), *(normalize_widths(numbers(w, int, "--draft-widths"), ks[-1]) for w in args.draft_widths)]
+    specs = draft_args.grid_from_args(args)
     baselines = [b.strip() for b in (args.baseline or "").split(",") if b.strip()]
     if set(baselines) - {"hf", "pld"}:
         raise ValueError(f"--baseline takes hf and/or pld (comma-separated), got {args.baseline!r}")
-    lengths = sorted(set(numbers(args.context_lengths or "", int, "--context-lengths")))
+    lengths = sorted(set(draft_args.numbers(args.context_lengths or "", int, "--context-lengths")))
     if lengths and lengths[0] < 16:
         raise ValueError(f"--context-lengths must be >= 16 tokens each, got {args.context_lengths!r}")
     if lengths and args.prompts:
@@ -125,7 +93,7 @@ def run(args) -> int:
     head = args.mtp or shipped_head(path)
     if head:
         load_mtp_head(model, head)
-    if model.drafter is None and ks[-1] > 0:
+    if model.drafter is None and any(s.draft_tokens for s in specs):
         raise ValueError(f"{path} has no MTP head: pass one with --mtp (train one with mtpkit train, mtp.only = true)")
     if args.full_vocab and model.drafter is not None:
         model.drafter.draft_vocab = None
@@ -133,8 +101,7 @@ def run(args) -> int:
         quantize_int8(model)
     tokenizer = load_tokenizer(path)
     hf = load_hf_baseline(path, dtype) if baselines else None
-    bench = dict(num_tokens=args.num_tokens, ks=ks, min_probs=min_probs, widths=widths, lookups=lookups,
-                 lookup_ngram=ngram, temperature=args.temperature,
+    bench = dict(num_tokens=args.num_tokens, specs=specs, temperature=args.temperature,
                  repeats=args.repeats, eos_token_id=tokenizer.eos_token_id, hf_model=hf, baselines=baselines,
                  prompt_lookup=args.prompt_lookup_tokens, step_repeats=args.step_repeats)
     if args.acceptance_only:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from . import draft_args
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text, optionally with MTP self-speculative decoding")
@@ -20,17 +22,7 @@ def add_parser(sub) -> None:
                    help="an image for a vision-language model (repeat for several); placed before the prompt "
                         "unless the prompt holds an <|image_pad|> per image")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    p.add_argument("--draft-tokens", type=int, default=0, help="tokens drafted per step by the MTP head (0: plain)")
-    p.add_argument("--draft-min-prob", type=float, default=0.0,
-                   help="stop a step's drafting after a draft the head gives less than this probability (0: off)")
-    p.add_argument("--draft-widths", default="", metavar="W[,W...]",
-                   help="verify a draft tree: tokens per draft position, e.g. 3,2 (the head's top 3 at position 1, "
-                        "top 2 at 2); attention-only trunks")
-    p.add_argument("--draft-lookup", type=int, default=0, metavar="L",
-                   help="draft up to L tokens looked up in the context where its last tokens occurred before, in "
-                        "place of the MTP's chain (prompt-lookup decoding; with --draft-tokens 0 no head is needed)")
-    p.add_argument("--draft-lookup-ngram", default="2,4", metavar="MIN,MAX",
-                   help="lengths of the context's last tokens to match for --draft-lookup, longest first")
+    draft_args.add_arguments(p, grid=False)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -93,8 +85,8 @@ def run(args) -> int:
     from ..decode.int8 import model_dtype, quantize_int8
     from ..models.multimodal import image_inputs, load_processor, open_images
     from ..tokenizer import encode_prompt, load_tokenizer
-    from .bench_cmd import numbers
 
+    spec = draft_args.spec_from_args(args)  # its rules checked before anything is loaded
     dtype = model_dtype(args.dtype, args.quantize)
     path = Path(args.model) if args.model else default_gguf_path()
     images = open_images(args.image)
@@ -111,14 +103,11 @@ def run(args) -> int:
         prompt = encode_prompt(tokenizer, args.prompt, args.chat)
     stream = TextStream(tokenizer, live=sys.stdout.isatty())
     result = generate(
-        model, [prompt], max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens,
-        draft_min_prob=args.draft_min_prob, draft_vocab="full" if args.full_vocab else None,
-        draft_widths=numbers(args.draft_widths, int, "--draft-widths"), draft_lookup=args.draft_lookup,
-        draft_lookup_ngram=tuple(numbers(args.draft_lookup_ngram, int, "--draft-lookup-ngram")),
-        temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_id=tokenizer.eos_token_id, on_tokens=stream,
+        model, [prompt], max_new_tokens=args.max_new_tokens, draft=spec,
+        draft_vocab="full" if args.full_vocab else None, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=args.seed, eos_token_id=tokenizer.eos_token_id, on_tokens=stream,
     )
     stream.close()
     print()
-    print(stats_line(result.stats, args.draft_tokens, gated=args.draft_min_prob > 0))
+    print(stats_line(result.stats, spec.draft_tokens, gated=spec.draft_min_prob > 0))
     return 0

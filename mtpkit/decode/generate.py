@@ -6,6 +6,10 @@ and every per-row tensor, `state.DecodeState`) is index-selected down to the liv
 nothing afterwards (one cache copy per batch shrink, at most B-1 of them). The loop reads the device once per
 step, to learn what each row emitted (gated drafting adds one read per draft step, to skip draft steps no row
 needs).
+
+A step is propose / verify / advance: the drafter the `DraftSpec` asks for (`drafters/`) proposes each row's
+drafts, the trunk verifies them in one forward (`verify.py`), and the drafter advances past what was kept; a step
+with nothing proposed decodes plainly. The bookkeeper only counts.
 """
 
 from __future__ import annotations
@@ -18,14 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.parallel_heads import head_outputs
-from ..models.vlm import VISION_INPUTS
-from . import blockwise
-from . import speculative as spec
-from . import tree
-from .cache import Cache
-from .lookup import DEFAULT_NGRAM, ContextLookup, most_drafts
 from ..kernels.linear import routed_linears
+from ..models.vlm import VISION_INPUTS
+from . import draft_head, tree
+from . import verify as verification
+from .cache import Cache
+from .draft_spec import DEFAULT_NGRAM, DraftSpec
+from .drafters import Drafter, DraftSetup, Prefill, build_drafter
 from .matmul_routing import router_for
 from .sampling import SamplingParams, select
 from .state import DecodeState, StepResult
@@ -76,19 +79,18 @@ def _prompt_rows(prompts, vocab_size: int) -> tuple[list[list[int]], list[dict]]
 
 
 class _Bookkeeper:
-    """Host side: each row's emitted tokens, its stop conditions and the vLLM-style acceptance counters."""
+    """Host side: each row's emitted tokens, its stop conditions and the vLLM-style acceptance counters.
+    on_tokens(row, ids) is told every row's new tokens."""
 
-    def __init__(self, batch: int, k: int, max_new: int, eos: set[int], on_tokens, widths: tuple[int, ...] = (),
-                 lookup: ContextLookup | None = None):
+    def __init__(self, batch: int, spec: DraftSpec, max_new: int, eos: set[int], on_tokens):
         self.tokens = [[] for _ in range(batch)]
         self.accept_lengths = [[] for _ in range(batch)]
         self.live = list(range(batch))  # original row index of each batch row still decoding
-        self.k, self.max_new, self.eos, self.on_tokens, self.widths = k, max_new, eos, on_tokens, widths
-        self.lookup = lookup
+        self.max_new, self.eos, self.on_tokens, self.widths = max_new, eos, on_tokens, spec.draft_widths
         self.forward_passes = self.steps = self.accepted = self.drafted = 0
         self.verified = self.alternatives = 0  # tokens rows put into verify forwards; draft-tree leaves kept
         self.looked_up = 0  # verification steps whose drafts came from the context
-        self.most = most_drafts(k, lookup.tokens if lookup else 0)
+        self.most = spec.most_drafts
         self.accepted_per_position = [0] * self.most
         self.draft_lengths = [0] * self.most
 
@@ -118,10 +120,7 @@ class _Bookkeeper:
             if spoke:
                 self.accept_lengths[row].append(len(chunk))
             out.extend(chunk)
-            if self.lookup is not None:
-                self.lookup.extend(row, chunk)
-            if self.on_tokens is not None:
-                self.on_tokens(row, chunk)
+            self.on_tokens(row, chunk)
             if stop is None and len(out) < self.max_new:
                 keep.append(b)
         self.live = [self.live[b] for b in keep]
@@ -149,13 +148,13 @@ class _Bookkeeper:
         }
 
 
-def _prefill(model, cache, rows, vision, params, generator, k: int, on_hidden=None) -> DecodeState:
+def _prefill(model, cache, rows, vision, params, generator, drafter: Drafter | None, on_hidden=None) -> DecodeState:
     """Prefill runs of equal-length text rows in one forward each, and each image prompt on its own. Returns the
     decode state after the prompts: each row's first sampled token, its rope delta (decoding continues at
-    position slot + delta; 0 for text) and, when drafting k > 0 tokens, the drafting state at its last prompt
-    position (its cache filled over the prompt). on_hidden(rows, hidden [b, T, H]) sees each run's trunk output."""
+    position slot + delta; 0 for text) and the drafter's state after them (`Drafter.prefill`).
+    on_hidden(rows, hidden [b, T, H]) sees each run's trunk output."""
     device = model.output_weight.device
-    firsts, deltas, draft_hiddens, start = [], [], [], 0
+    firsts, deltas, drafter_states, start = [], [], [], 0
     runs = itertools.groupby(range(len(rows)), key=lambda i: (len(rows[i]), i if vision[i] else -1))
     for (length, _), group in runs:
         group = list(group)
@@ -173,17 +172,13 @@ def _prefill(model, cache, rows, vision, params, generator, k: int, on_hidden=No
         firsts.append(first)
         delta = inputs.rope_deltas
         deltas.append(torch.zeros_like(first) if delta is None else delta[:, 0])
-        if k and model.mtp_heads is not None:
-            heads = head_outputs(model, hidden, inputs.positions, k, view.mtp, slots, kv_len=length)  # [b, T, k, H]
-            draft_hiddens.append(heads[:, -1])
-        elif k:  # row i: trunk hidden at i and the input after it (a vision embedding at an image token)
-            nxt = torch.cat([inputs.embeds[:, 1:], model.embed(first)[:, None]], dim=1)
-            mtp_out = model.mtp_step(None, hidden, inputs.positions, 1, view, slots, kv_len=length, embeds=nxt)
-            draft_hiddens.append(mtp_out[:, -1])
+        if drafter is not None:
+            drafter_states.append(drafter.prefill(Prefill(hidden, inputs.embeds, inputs.positions, first, view, slots)))
     lengths = list(map(len, rows))
+    kept = drafter_states and drafter_states[0] is not None
     return DecodeState(cache=cache, last=torch.cat(firsts), slot=torch.tensor(lengths, device=device),
                        slot_host=lengths, rope_delta=torch.cat(deltas),
-                       draft_hidden=torch.cat(draft_hiddens) if k else None)
+                       drafter_state=torch.cat(drafter_states) if kept else None)
 
 
 @torch.inference_mode()
@@ -192,6 +187,7 @@ def generate(
     prompts: torch.Tensor | Sequence[Sequence[int] | dict],
     *,
     max_new_tokens: int,
+    draft: DraftSpec | None = None,
     draft_tokens: int = 0,
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -207,51 +203,28 @@ def generate(
     on_hidden: Callable[[list[int], torch.Tensor], None] | None = None,
 ) -> GenerateResult:
     """Decode up to max_new_tokens new tokens per prompt (rows of token ids, or for a vision-language model
-    dicts from `mtpkit.image_inputs` with the image patches); draft_tokens=k > 0 drafts k tokens per step with the
-    model's MTP module (chained) or its parallel heads 1..k (blockwise, all at once) and verifies them in one
-    trunk forward (lossless: greedy output is token for token the same, sampled output has exactly the same
-    distribution). `draft_vocab` restricts drafting to those ids; by default the head's own
-    (`model.drafter.draft_vocab`, from a head trained with mtp.draft_vocab), "full" drafts over the whole
-    vocabulary.
-    `draft_min_prob` = p > 0 gates drafting: a row stops after its first draft whose head probability is below p
-    (see `speculative.DraftHead`); output is unchanged, fewer drafts are wasted.
-    `draft_widths` = (w_1, w_2, ...) verifies a draft tree (`decode/tree.py`): at draft position d the head's
-    w_d - 1 next most likely tokens besides the chain's draft (positions past the list: the draft only); the
-    trunk must have attention layers only. Output is unchanged; each step verifies 1 + k + sum(w_d - 1) tokens.
-    `draft_lookup` = L > 0 drafts up to L tokens from the context where a row's last n tokens (n in
-    `draft_lookup_ngram` = (min, max)) occurred before, in place of the MTP's chain (prompt-lookup decoding,
-    `decode/lookup.py`); the head's tree alternatives stay. With draft_tokens = 0 it needs no head.
+    dicts from `mtpkit.image_inputs` with the image patches), plainly or self-speculatively as `draft` says (a
+    `DraftSpec`; or its knobs as keyword arguments: draft_tokens, draft_min_prob, draft_widths, draft_lookup,
+    draft_lookup_ngram, see `DraftSpec`). Drafts are verified in one trunk forward per step (lossless: greedy
+    output is token for token the same, sampled output has exactly the same distribution). `draft_vocab`
+    restricts drafting to those ids; by default the head's own (`model.drafter.draft_vocab`, from a head trained
+    with mtp.draft_vocab), "full" drafts over the whole vocabulary.
     `on_tokens(row, ids)` is called with every row's new tokens as they are produced (for streaming).
     `on_hidden(rows, hidden [b, n, H])`, plain decoding only, is called with the trunk's post-norm hidden states
     of every token a forward reads (the prompt, then each new token but the last), for those prompt rows: a
     self-distillation run stores them as training features without running the trunk again."""
+    knobs = DraftSpec(draft_tokens, draft_min_prob, tuple(draft_widths), draft_lookup, tuple(draft_lookup_ngram))
+    if draft is not None and knobs != DraftSpec():
+        raise ValueError("give the drafting knobs either as draft=DraftSpec(...) or as keyword arguments, not both")
+    spec = draft or knobs
     params = SamplingParams(temperature, top_k, top_p)
     cfg = model.config
     rows, vision = _prompt_rows(prompts, cfg.vocab_size)
-    k = int(draft_tokens)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1 and an integer, not {max_new_tokens!r}")
-    if k < 0:
-        raise ValueError(f"draft_tokens must be >= 0, not {k}")
-    if k and model.drafter is None:
-        raise ValueError("this model has no MTP head: load one with --mtp or train one (draft_tokens needs it)")
-    if model.mtp_heads is not None and k > len(model.mtp_heads.layers):
-        raise ValueError(f"draft_tokens = {k} but the model has {len(model.mtp_heads.layers)} parallel heads, one "
-                         f"per draft: use draft_tokens <= {len(model.mtp_heads.layers)}")
-    if on_hidden is not None and (k or draft_lookup):
+    if on_hidden is not None and spec.speculates:
         raise ValueError("on_hidden reads the trunk's hidden states of plain decoding: leave draft_tokens and "
                          "draft_lookup at 0")
-    if draft_min_prob and not k:
-        raise ValueError("draft_min_prob gates speculative drafting: give draft_tokens >= 1 as well")
-    widths = tree.normalize_widths(draft_widths, k)
-    if any(w > 1 for w in draft_widths) and not k:
-        raise ValueError("draft_widths shapes a draft tree: give draft_tokens >= 1 as well")
-    if widths and model.mtp_heads is not None:
-        raise ValueError("draft_widths extends the sequential MTP's chain; parallel heads draft one block: "
-                         "leave draft_widths out")
-    if widths and "linear_attention" in cfg.layer_types:
-        raise ValueError(f"draft_widths needs a trunk of attention layers, but {cfg.model_type} has Gated DeltaNet "
-                         "layers (they read tokens in order and cannot verify a tree): leave draft_widths out")
     longest = max(map(len, rows))
     if longest + max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(
@@ -267,22 +240,22 @@ def generate(
         draft_vocab = None
     elif draft_vocab is None and model.drafter is not None:
         draft_vocab = model.drafter.draft_vocab
-    head = spec.DraftHead(model, params, draft_vocab, draft_min_prob) if k else None
-    lookup = None
-    if not isinstance(draft_lookup, int) or draft_lookup < 0:
-        raise ValueError(f"draft_lookup must be an integer >= 0 (0: off), not {draft_lookup!r}")
-    if draft_lookup:
-        if k and model.mtp_heads is not None:
-            raise ValueError("draft_lookup replaces the sequential MTP's chain; parallel heads draft one block: "
-                             "leave draft_lookup out or draft_tokens = 0")
-        lookup = ContextLookup(rows, draft_lookup, draft_lookup_ngram)
-    if widths and max(widths) > (len(head.vocab) if head.vocab is not None else cfg.vocab_size):
-        raise ValueError(f"draft_widths {list(widths)} asks for more tokens per position than the draft vocabulary "
-                         "holds")
-
-    book = _Bookkeeper(len(rows), k, max_new_tokens, eos, on_tokens, widths, lookup)
+    head = draft_head.DraftHead(model, params, draft_vocab, spec.draft_min_prob) if spec.draft_tokens else None
+    spec.check(model, cfg.vocab_size if head is None or head.vocab is None else len(head.vocab))
+    drafter = build_drafter(DraftSetup(model, spec, head, params, generator, rows))
+    book = _Bookkeeper(len(rows), spec, max_new_tokens, eos, _told(drafter, on_tokens))
     with routed_linears(router_for(model)):
-        return _decode(model, rows, vision, book, params, generator, head, on_hidden)
+        return _decode(model, rows, vision, book, params, generator, drafter, spec, on_hidden)
+
+
+def _told(drafter: Drafter | None, on_tokens):
+    """on_tokens(row, ids) that tells the drafter first (a context lookup indexes them), then the caller."""
+    def told(row: int, ids: list[int]) -> None:
+        if drafter is not None:
+            drafter.emitted(row, ids)
+        if on_tokens is not None:
+            on_tokens(row, ids)
+    return told
 
 
 def _plain_step(model, state: DecodeState, params: SamplingParams, generator) -> StepResult:
@@ -292,30 +265,32 @@ def _plain_step(model, state: DecodeState, params: SamplingParams, generator) ->
                 cache_positions=slots, kv_len=state.top_slot + 1)
     none = torch.zeros_like(state.last)
     return StepResult(accepted=none, drafted=none, tokens=select(out.logits[:, 0], params, generator)[:, None],
-                      draft_hidden=None, trunk_hidden=out.hidden[:, 0])
+                      drafter_state=None, trunk_hidden=out.hidden[:, 0])
 
 
-def _decode(model, rows, vision, book: _Bookkeeper, params, generator, head, on_hidden=None) -> GenerateResult:
+def _speculative_step(model, state: DecodeState, drafts, drafter: Drafter, params, generator) -> StepResult:
+    """Verify a step's drafts and let the drafter advance past what was kept."""
+    verified = verification.verify(model, state, drafts, params=params, generator=generator)
+    return StepResult(verified.accepted, drafts.count, verified.tokens, drafter.advance(state, verified),
+                      verified.alternative)
+
+
+def _decode(model, rows, vision, book: _Bookkeeper, params, generator, drafter, spec: DraftSpec,
+            on_hidden=None) -> GenerateResult:
     start = time.perf_counter()
-    k, widths, weight = book.k, book.widths, model.output_weight
-    most = tree.verified_tokens(widths, book.most)  # tokens a verify forward writes at most
-    cache = Cache(model.config, len(rows), max(map(len, rows)) + book.max_new + most, weight.dtype, weight.device)
-    state = _prefill(model, cache, rows, vision, params, generator, k, on_hidden)
+    weight = model.output_weight
+    cache = Cache(model.config, len(rows), max(map(len, rows)) + book.max_new + spec.most_verified, weight.dtype,
+                  weight.device)
+    state = _prefill(model, cache, rows, vision, params, generator, drafter, on_hidden)
     keep = book.emit([[t] for t in state.last.tolist()])
     while keep:
         if len(keep) < state.batch:  # some rows stopped: drop them from the batch
             state = state.select(keep)
-        context = book.lookup.drafts(book.live, state.slot.device) if book.lookup is not None else None
-        matched = context.matched if context is not None else [False] * state.batch
-        if k == 0 and context is None:
+        drafts = drafter.propose(state, book.live) if drafter is not None else None
+        if drafts is None:
             result = _plain_step(model, state, params, generator)
-        elif widths:
-            result = tree.step(model, state, k=k, widths=widths, head=head, params=params, generator=generator,
-                               context=context)
-        elif model.mtp_heads is not None and k:
-            result = blockwise.step(model, state, k=k, head=head, params=params, generator=generator)
         else:
-            result = spec.step(model, state, k=k, head=head, params=params, generator=generator, context=context)
+            result = _speculative_step(model, state, drafts, drafter, params, generator)
         book.forward_passes += 1
         if on_hidden is not None:
             on_hidden(book.live, result.trunk_hidden[:, None])
@@ -323,8 +298,9 @@ def _decode(model, rows, vision, book: _Bookkeeper, params, generator, head, on_
         flags = result.alternative if result.alternative is not None else torch.zeros_like(result.accepted)
         host = torch.cat([result.accepted[:, None], result.drafted[:, None], flags[:, None].long(), result.tokens],
                          dim=1).tolist()
-        speculated = k or context is not None
-        keep = book.emit([h[3 : h[0] + 4] for h in host],
-                         [(*h[:3], m) for h, m in zip(host, matched)] if speculated else None)
+        verified = None
+        if drafts is not None:  # a verification step: per row (accepted, drafted, alternative kept, looked up)
+            verified = [(*h[:3], m) for h, m in zip(host, drafts.looked_up or [False] * state.batch)]
+        keep = book.emit([h[3 : h[0] + 4] for h in host], verified)
         state = state.advanced(result, [h[0] for h in host])
     return GenerateResult(book.tokens, book.stats(time.perf_counter() - start), book.accept_lengths)

@@ -18,7 +18,7 @@ class StepResult(NamedTuple):
     accepted: torch.Tensor  # [B] drafts accepted (0 without drafting)
     drafted: torch.Tensor  # [B] drafts proposed (fewer than k when drafting is gated)
     tokens: torch.Tensor  # [B, K+1] of which the first accepted+1 are emitted; K = the longest row's drafts
-    draft_hidden: torch.Tensor | None  # the next state's `draft_hidden`, at the last emitted token's predecessor
+    drafter_state: torch.Tensor | None  # the next state's `drafter_state`
     alternative: torch.Tensor | None = None  # [B] bool, draft trees: the last accepted draft was an alternative
     trunk_hidden: torch.Tensor | None = None  # [B, H] plain steps: the trunk's post-norm hidden at `last`
 
@@ -30,9 +30,9 @@ class DecodeState:
     slot: torch.Tensor  # [B] the cache slot `last` goes to (= tokens already in the cache)
     slot_host: list[int]  # `slot` on the host, so that no forward reads it back
     rope_delta: torch.Tensor  # [B] rope position - slot: 0 for text, MRoPE's offset after an image
-    # what the next drafts come from, at slot - 1: the MTP's output [B, H] (it predicts the token after `last`) or
-    # parallel heads 1..k's outputs [B, k, H]; None without drafting
-    draft_hidden: torch.Tensor | None
+    # [B, ...] what the drafter drafts the next step from (its `advance`'s result; None: it keeps none), e.g. the
+    # MTP's output at slot - 1
+    drafter_state: torch.Tensor | None
 
     @property
     def batch(self) -> int:
@@ -60,7 +60,7 @@ class DecodeState:
             slot=self.slot[idx],
             slot_host=[self.slot_host[b] for b in rows],
             rope_delta=self.rope_delta[idx],
-            draft_hidden=None if self.draft_hidden is None else self.draft_hidden[idx],
+            drafter_state=None if self.drafter_state is None else self.drafter_state[idx],
         )
 
     def advanced(self, step: StepResult, accepted_host: list[int]) -> DecodeState:
@@ -72,5 +72,5 @@ class DecodeState:
             slot=self.slot + step.accepted + 1,
             slot_host=[s + a + 1 for s, a in zip(self.slot_host, accepted_host)],
             rope_delta=self.rope_delta,
-            draft_hidden=step.draft_hidden,
+            drafter_state=step.drafter_state,
         )

@@ -172,6 +172,12 @@ def draft_columns(vocab: Tensor | None, size: int, device) -> Tensor | None:
         0, vocab, torch.arange(len(vocab), device=device))
 
 
+def backward_outside_autocast(tensor: Tensor, grad: Tensor | None = None) -> None:
+    """A backward from inside the caller's autocast region, run as it would run outside it."""
+    with torch.autocast(tensor.device.type, enabled=False):
+        tensor.backward(grad)
+
+
 def compute_loss(model, batch: dict, cfg: MTPSection, targets: Targets | None = None,
                  token_counts: list[int] | None = None, with_main: bool = True) -> LossOutput:
     """Main + weighted MTP cross-entropy of one micro-batch, with the logits of one chunk alive at a time.

@@ -5,13 +5,7 @@ from __future__ import annotations
 import torch
 
 from .config import MTPSection
-from .loss import LossOutput, Targets, draft_columns, head_ce, loss_targets, model_inputs
-
-
-def _backward(tensor: torch.Tensor, grad: torch.Tensor | None = None) -> None:
-    """A backward from inside the caller's autocast region, run as it would run outside it."""
-    with torch.autocast(tensor.device.type, enabled=False):
-        tensor.backward(grad)
+from .loss import LossOutput, Targets, backward_outside_autocast, draft_columns, head_ce, loss_targets, model_inputs
 
 
 def parallel_heads_loss(model, batch: dict, cfg: MTPSection, targets: Targets | None = None,
@@ -60,10 +54,11 @@ def parallel_heads_loss(model, batch: dict, cfg: MTPSection, targets: Targets | 
         term = (1.0 if j == 0 else targets.weights[j - 1]) * loss_sum / norm
         if j or not cfg.only:  # MTP-only: the main CE stays out of the objective
             if backward and term.requires_grad:
-                _backward(term)  # frees head j's graph; the leaf, the heads and lm_head accumulate gradients
+                # frees head j's graph; the leaf, the heads and lm_head accumulate gradients
+                backward_outside_autocast(term)
             total = total + (term.detach() if backward else term)
         sums.append(loss_sum.detach())
         correct.append(n_correct)
     if backward and leaf.grad is not None:
-        _backward(hidden, leaf.grad)
+        backward_outside_autocast(hidden, leaf.grad)
     return LossOutput.from_sums(total, sums, correct, targets)

@@ -1,4 +1,5 @@
-"""The training loop: packed data -> model (+ MTP) -> compute_loss -> AdamW, with checkpoints and metrics.
+"""The training loop: packed data -> model (+ MTP) -> the head kind's objective (`objectives.py`) -> AdamW, with
+checkpoints and metrics.
 
     trainer = Trainer(load_config("configs/x.toml", ["--train.steps=100"]))
     summary = trainer.fit()
@@ -39,10 +40,10 @@ from ..tokenizer import load_tokenizer
 from .config import TrainConfig, to_toml
 from .draft_vocab import draft_vocabulary, write_run_draft_vocab
 from .flops import flops_per_token, peak_flops
-from .loss import compute_loss, freeze_trunk, loss_targets, shift_labels, tau_sim
+from .loss import freeze_trunk, loss_targets, shift_labels, tau_sim
 from .model_setup import build_train_model, tokenizer_path
+from .objectives import OBJECTIVES
 from .optim import build_optimizer, build_scheduler
-from .parallel_heads_loss import parallel_heads_loss
 from .state import latest_checkpoint, load_checkpoint, resume_latest, save_checkpoint, set_aside
 
 logger = logging.getLogger("mtpkit")
@@ -99,9 +100,9 @@ class Trainer:
         t = cfg.train
         self.dist = init_distributed(t.device, cfg.parallel.tp, cfg.parallel.dp_shard)
         self.device = self.dist.device
-        if cfg.mtp.kind == "parallel" and self.dist.world > 1:
-            raise ValueError("mtp.kind = 'parallel' trains on one process for now (its per-head backward runs "
-                             "several backward passes per step, untested with FSDP2 and TP): launch without torchrun")
+        self.objective = OBJECTIVES[cfg.mtp.kind]
+        if self.objective.one_process_only and self.dist.world > 1:
+            raise ValueError(self.objective.one_process_only)
         if not self.dist.is_main:  # one copy of the info lines, from rank 0
             logger.setLevel(logging.WARNING)
         if t.threads:
@@ -224,18 +225,12 @@ class Trainer:
         heads = len(counts)
         total, ce, correct = 0.0, [0.0] * heads, [0] * heads
         self.model.train(train)
-        parallel = self.cfg.mtp.kind == "parallel"
         # on stored features the main CE is a constant of the data: computed in evaluation only
         with_main = not (train and self.cfg.data.mode == "features")
         with torch.set_grad_enabled(train):
             for mb, t in zip(micros, targets):
                 with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-                    if parallel:  # backpropagates head by head itself
-                        out = parallel_heads_loss(self.model, mb, self.cfg.mtp, t, counts, with_main, backward=train)
-                    else:
-                        out = compute_loss(self.model, mb, self.cfg.mtp, t, counts, with_main)
-                if train and not parallel:
-                    out.total.backward()
+                    out = self.objective(self.model, mb, self.cfg.mtp, t, counts, with_main, train)
                 total += float(out.total.detach())
                 ce = [a + b for a, b in zip(ce, out.ce)]
                 correct = [a + b for a, b in zip(correct, out.correct)]

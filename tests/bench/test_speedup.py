@@ -17,6 +17,7 @@ from mtpkit.bench.decode_step import cache_evictor, median_ms
 from mtpkit.bench.report import label, plot, render, render_contexts
 from mtpkit.bench.speedup import Prompt, break_even, load_prompts, run_bench
 from mtpkit.cli import main
+from mtpkit.decode.draft_spec import DraftSpec
 
 JSON_KEYS = {"draft_tokens", "prompts", "baseline_tokens_per_s", "spec_tokens_per_s", "speedup", "acceptance_rate",
              "mean_acceptance_length", "accepted_per_position", "identical"}
@@ -32,8 +33,8 @@ def model(tmp_path_factory):
 
 def test_run_bench_figures(model, tmp_path):
     prompts = [Prompt("a", False, "prose", [3, 4, 5, 6]), Prompt("b", True, "chat", [7, 8])]
-    report = run_bench(model, prompts, num_tokens=12, ks=[1, 3], min_probs=[0, 0.5], repeats=2, step_repeats=1,
-                       progress=False)
+    report = run_bench(model, prompts, num_tokens=12, specs=DraftSpec.grid([1, 3], [0, 0.5]), repeats=2,
+                       step_repeats=1, progress=False)
     # k = 1 once: its one draft is always proposed, so a threshold cannot change it
     assert [(r["draft_tokens"], r["draft_min_prob"]) for r in report["runs"]] == [(1, 0), (3, 0), (3, 0.5)]
     costs = {c["k"]: c for c in report["step_costs_ms"]}
@@ -87,7 +88,7 @@ def test_transformers_baselines_greedy_and_prompt_lookup(tmp_path, monkeypatch):
     monkeypatch.setattr(ref, "generate", lambda *a, **kw: calls.append(kw.get("prompt_lookup_num_tokens")) or
                         generate(*a, **kw))
     prompts = [Prompt("rep", False, "text", [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]), Prompt("b", False, "text", [9, 3])]
-    kw = dict(num_tokens=10, ks=[2], repeats=1, step_repeats=0, hf_model=ref, progress=False)
+    kw = dict(num_tokens=10, specs=[DraftSpec(2)], repeats=1, step_repeats=0, hf_model=ref, progress=False)
     report = run_bench(model, prompts, baselines=["hf", "pld"], prompt_lookup=3, **kw)
     assert set(calls) == {None, 3} and report["prompt_lookup_num_tokens"] == 3
     for name in ("hf", "pld"):
@@ -253,10 +254,14 @@ def test_bench_cli_context_drafts_without_a_head(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--draft-tokens", "0"], "0 too with --draft-lookup"),
-    (["--draft-lookup", "-1"], "--draft-lookup needs lengths >= 0"),
+    (["--draft-tokens", "0"], "0 only with a lookup length > 0"),
+    (["--draft-lookup", "-1"], "draft_lookup must be an integer >= 0"),
     (["--draft-lookup", "2", "--draft-lookup-ngram", "3,1"], "1 <= min <= max"),
-    (["--draft-min-prob", "1.5"], r"--draft-min-prob values must be in \[0, 1\]"),
+    (["--draft-min-prob", "1.5"], r"draft_min_prob must be in \[0, 1\]"),
+    # bounds: refused before the model loads (they used to allocate GBs or time step costs without end)
+    (["--draft-lookup", "2000"], "at most 256"),
+    (["--draft-widths", "40000"], "at most 256"),
+    (["--draft-lookup", str(10**12)], "at most 256"),
     (["--draft-widths", "2,0"], "draft widths must be >= 1"),
     (["--baseline", "vllm"], "--baseline takes hf and/or pld"),
     (["--context-lengths", "8"], "--context-lengths must be >= 16"),

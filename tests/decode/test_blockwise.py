@@ -9,7 +9,7 @@ from drafting import CONFIGS, PROMPTS, make_drafting, parallel_drafting_model
 from sampling_stats import chi2_pvalue, empirical_counts, exact_joint
 
 import mtpkit
-from mtpkit.decode import speculative as spec
+from mtpkit.decode import verify as verification
 from mtpkit.decode.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -46,8 +46,8 @@ def test_drafts_are_the_heads_predictions_on_the_accepted_tokens(monkeypatch):
         seen.append((state.slot.clone(), drafts.tokens.clone()))
         return verify(model_, state, drafts, **named)
 
-    verify = spec.verify
-    monkeypatch.setattr(spec, "verify", recording_verify)
+    verify = verification.verify
+    monkeypatch.setattr(verification, "verify", recording_verify)
     r = mtpkit.generate(model, PROMPTS[:1], max_new_tokens=30, draft_tokens=3)
     seq = torch.tensor([PROMPTS[0] + r.tokens[0]])
     with torch.no_grad():
@@ -91,6 +91,6 @@ def test_blockwise_sampling_matches_the_exact_distribution(sampling_case, k):
 def test_the_blockwise_sampling_test_fails_for_a_wrong_rejection_rule(sampling_case, monkeypatch):
     """Drawing from p instead of normalize(max(p - q, 0)) after a rejection: caught."""
     model, params, prompt, joint = sampling_case
-    monkeypatch.setattr(spec, "residual", lambda p, q: p)
+    monkeypatch.setattr(verification, "residual", lambda p, q: p)
     counts, _ = empirical_counts(model, params, prompt, 2, seed=2)
     assert chi2_pvalue(counts, joint) < 1e-6

@@ -8,7 +8,7 @@ import torch
 from drafting import PROMPTS, drafting_model
 
 import mtpkit
-from mtpkit.decode import speculative as spec
+from mtpkit.decode import verify as verification
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 K = 3
@@ -34,13 +34,13 @@ def recorded_steps(monkeypatch):
     """Every speculative step's (accepted n, drafted count, verified drafts K) per row, recorded."""
     seen = []
 
-    def recording_step(*args, **named):
-        result = step(*args, **named)
-        seen.append((result.accepted.clone(), result.drafted.clone(), result.tokens.shape[1] - 1))
+    def recording_verify(model, state, drafts, **named):
+        result = verify(model, state, drafts, **named)
+        seen.append((result.accepted.clone(), drafts.count.clone(), result.tokens.shape[1] - 1))
         return result
 
-    step = spec.step
-    monkeypatch.setattr(spec, "step", recording_step)
+    verify = verification.verify
+    monkeypatch.setattr(verification, "verify", recording_verify)
     return seen
 
 

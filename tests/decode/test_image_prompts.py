@@ -7,7 +7,7 @@ from drafting import make_drafting
 from tiny_models import VLM_TOKENS, hf_vlm_model, vlm_prompt
 
 import mtpkit
-from mtpkit.decode import speculative as spec
+from mtpkit.decode.drafters import mtp_chain
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NEVER = sorted(VLM_TOKENS.values())  # greedy decoding never emits a placeholder, so a full forward can re-read it
@@ -77,11 +77,11 @@ def test_drafting_after_an_image_prompt_equals_teacher_forced_mtp(vlm, monkeypat
     seen = []
 
     def recording_draft(model, state, **named):
-        seen.append((int(state.slot[0]), state.draft_hidden[0].clone()))
+        seen.append((int(state.slot[0]), state.drafter_state[0].clone()))
         return draft(model, state, **named)
 
-    draft = spec.draft
-    monkeypatch.setattr(spec, "draft", recording_draft)
+    draft = mtp_chain.draft
+    monkeypatch.setattr(mtp_chain, "draft", recording_draft)
     r = mtpkit.generate(vlm, [prompt], max_new_tokens=20, draft_tokens=2)
     vision = {k: v for k, v in prompt.items() if k != "input_ids"}
     seq = torch.cat([prompt["input_ids"], torch.tensor([r.tokens[0]])], 1)

@@ -1,5 +1,5 @@
-"""Drafts looked up in the context (`draft_lookup`, decode/lookup.py): the index proposes what followed the latest
-earlier occurrence of the longest matching suffix; greedy output equals plain greedy token for token (batched, with
+"""Drafts looked up in the context (`draft_lookup`, decode/drafters/context_lookup.py): the index proposes what
+followed the latest earlier occurrence of the longest matching suffix; greedy output equals plain greedy token for token (batched, with
 and without a head, chains, trees, a Gated DeltaNet trunk) while context drafts are used and kept; sampling keeps
 the trunk's law exactly (shown to fail when a looked-up draft is treated as drawn from the head); bad options are
 one-line errors."""
@@ -10,8 +10,8 @@ from drafting import PROMPTS, drafting_model, parallel_drafting_model
 from sampling_stats import chi2_pvalue, empirical_counts, exact_joint
 
 import mtpkit
-from mtpkit.decode import speculative as spec
-from mtpkit.decode.lookup import ContextLookup
+from mtpkit.decode.drafters import context_lookup
+from mtpkit.decode.drafters.context_lookup import ContextLookup
 from mtpkit.decode.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -85,9 +85,9 @@ def test_context_drafts_lengthen_the_steps_and_keep_the_heads_first_choice():
         seen.append((drafts, context, out))
         return out
 
-    with_context = spec.with_context
+    with_context = context_lookup.with_context
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(spec, "with_context", recording)
+        mp.setattr(context_lookup, "with_context", recording)
         tree = mtpkit.generate(model, PROMPTS, max_new_tokens=64, draft_tokens=1, draft_widths=(3,), draft_lookup=4)
     assert tree.tokens == plain and tree.stats["accepted_alternatives"] > 0
     swapped = 0
@@ -148,7 +148,7 @@ def test_the_sampling_test_fails_when_looked_up_drafts_count_as_drawn(sampling_c
     """Accepting a looked-up draft d with probability min(1, p(d) / q(d)) for a q other than its point mass
     (here uniform) biases the output towards the context: caught."""
     model, params, prompt, joint = sampling_case
-    monkeypatch.setattr(spec, "point_masses", lambda tokens, V, dtype: torch.full((*tokens.shape, V), 1 / V))
+    monkeypatch.setattr(context_lookup, "point_masses", lambda tokens, V, dtype: torch.full((*tokens.shape, V), 1 / V))
     counts, _ = empirical_counts(model, params, prompt, 0, seed=2, **LOOKUP)
     assert chi2_pvalue(counts, joint) < 1e-6
 

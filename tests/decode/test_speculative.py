@@ -8,7 +8,9 @@ from drafting import CONFIGS, PROMPTS, drafting_model
 from sampling_stats import chi2_pvalue, empirical_counts, exact_joint
 
 import mtpkit
-from mtpkit.decode import speculative as spec
+from mtpkit.decode import draft_head
+from mtpkit.decode import verify as verification
+from mtpkit.decode.drafters import mtp_chain
 from mtpkit.decode.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -63,16 +65,16 @@ def test_deeper_mtp_and_reduced_draft_vocab_stay_lossless():
     model = drafting_model("qwen3_5", mtp_layers=2)
     plain = mtpkit.generate(model, PROMPTS, max_new_tokens=30)
     deep = mtpkit.generate(model, PROMPTS, max_new_tokens=30, draft_tokens=3)
-    vocab = spec.frequent_tokens(plain.tokens, 12)
+    vocab = draft_head.frequent_tokens(plain.tokens, 12)
     small = mtpkit.generate(model, PROMPTS, max_new_tokens=30, draft_tokens=2, draft_vocab=vocab)
     assert deep.tokens == plain.tokens and small.tokens == plain.tokens
     assert small.stats["accepted"] > 0
 
 
 def test_frequent_tokens_counts_documents_and_ids():
-    assert spec.frequent_tokens([[5, 5, 1], torch.tensor([1, 5]), 7], 2).tolist() == [5, 1]
+    assert draft_head.frequent_tokens([[5, 5, 1], torch.tensor([1, 5]), 7], 2).tolist() == [5, 1]
     with pytest.raises(ValueError, match="no token ids"):
-        spec.frequent_tokens([], 3)
+        draft_head.frequent_tokens([], 3)
 
 
 def test_mtp_cache_follows_accepted_tokens(monkeypatch):
@@ -86,8 +88,8 @@ def test_mtp_cache_follows_accepted_tokens(monkeypatch):
         seen.append((state.slot.clone(), drafts.tokens[:, 0].clone()))
         return drafts
 
-    draft = spec.draft
-    monkeypatch.setattr(spec, "draft", recording_draft)
+    draft = mtp_chain.draft
+    monkeypatch.setattr(mtp_chain, "draft", recording_draft)
     r = mtpkit.generate(model, PROMPTS[:1], max_new_tokens=30, draft_tokens=3)
     seq = torch.tensor([PROMPTS[0] + r.tokens[0]])
     with torch.no_grad():
@@ -108,7 +110,7 @@ def test_accept_sampling_output_is_distributed_as_p():
     drafts = torch.multinomial(q, N, replacement=True, generator=g)[:, None]
     P = p.expand(N, 2, V)
     Q = q.expand(N, 1, V)
-    n, tokens = spec.accept_sampling(drafts, Q, P, g, torch.ones(N, dtype=torch.long))
+    n, tokens = verification.accept_sampling(drafts, Q, P, g, torch.ones(N, dtype=torch.long))
     first = torch.bincount(tokens[:, 0], minlength=V)
     assert chi2_pvalue(first, p) > 1e-3
     assert 0 < n.float().mean() < 1
@@ -154,7 +156,8 @@ def stale_bonus(accept):
         n, tokens = accept(drafts, q, p, generator, count)
         rows = torch.arange(n.shape[0])
         stale = (n == count) & (n < drafts.shape[1])
-        redraw = spec.sample(spec.residual(p[rows, n], q[rows, n.clamp(max=drafts.shape[1] - 1)]), generator)
+        residual = verification.residual(p[rows, n], q[rows, n.clamp(max=drafts.shape[1] - 1)])
+        redraw = verification.sample(residual, generator)
         tokens[stale, n[stale]] = redraw[stale]
         return n, tokens
 
@@ -168,7 +171,7 @@ def test_gated_sampling_matches_the_exact_distribution(sampling_case, monkeypatc
     counts, stats = empirical_counts(model, params, prompt, 3, seed=11, draft_min_prob=0.1)
     assert chi2_pvalue(counts, joint) > 1e-3
     assert all(stats["draft_lengths"]) and stats["drafted"] < 3 * stats["verification_steps"]
-    monkeypatch.setattr(spec, "accept_sampling", stale_bonus(spec.accept_sampling))
+    monkeypatch.setattr(verification, "accept_sampling", stale_bonus(verification.accept_sampling))
     counts, _ = empirical_counts(model, params, prompt, 3, seed=11, draft_min_prob=0.1)
     assert chi2_pvalue(counts, joint) < 1e-6
 
@@ -176,7 +179,7 @@ def test_gated_sampling_matches_the_exact_distribution(sampling_case, monkeypatc
 def test_the_sampling_test_fails_for_a_wrong_rejection_rule(sampling_case, monkeypatch):
     """Drawing from p instead of normalize(max(p - q, 0)) after a rejection is the classic bug: caught."""
     model, params, prompt, joint = sampling_case
-    monkeypatch.setattr(spec, "residual", lambda p, q: p)
+    monkeypatch.setattr(verification, "residual", lambda p, q: p)
     counts, _ = empirical_counts(model, params, prompt, 2, seed=2)
     assert chi2_pvalue(counts, joint) < 1e-6
 
@@ -188,8 +191,8 @@ def test_a_draft_vocabulary_is_drafted_from_bf16_rounded_rows_that_stream_at_hal
 
     model = drafting_model("llama")
     weight, vocab = model.output_weight, torch.tensor([7, 3, 20, 11])
-    head = spec.DraftHead(model, SamplingParams(), vocab)
+    head = draft_head.DraftHead(model, SamplingParams(), vocab)
     assert weight.dtype == torch.float32 and not torch.equal(weight[vocab.sort().values], head.weight)
     assert torch.equal(head.weight, weight[vocab.sort().values].bfloat16().float())
     assert router_for(model).stream(head.weight).dtype == torch.bfloat16
-    assert spec.DraftHead(model, SamplingParams()).weight is weight
+    assert draft_head.DraftHead(model, SamplingParams()).weight is weight

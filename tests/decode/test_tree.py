@@ -10,9 +10,9 @@ from drafting import PROMPTS, drafting_model
 from sampling_stats import chi2_pvalue, empirical_counts, exact_joint
 
 import mtpkit
-from mtpkit.decode import speculative as spec
 from mtpkit.decode import tree
 from mtpkit.decode.cache import Cache
+from mtpkit.decode.drafters import mtp_chain
 from mtpkit.decode.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -115,8 +115,8 @@ def test_the_mtp_drafts_from_the_kept_path(monkeypatch):
         seen.append((int(state.slot[0]), int(drafts.tokens[0, 0])))
         return drafts
 
-    draft = spec.draft
-    monkeypatch.setattr(spec, "draft", recording_draft)
+    draft = mtp_chain.draft
+    monkeypatch.setattr(mtp_chain, "draft", recording_draft)
     r = mtpkit.generate(model, PROMPTS[:1], max_new_tokens=40, draft_tokens=2, draft_widths=(4, 2))
     assert r.stats["accepted_alternatives"] > 0
     with torch.no_grad():

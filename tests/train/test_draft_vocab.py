@@ -34,13 +34,13 @@ def test_head_file_round_trip_of_the_draft_vocabulary(tmp_path, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(model.mtp.state_dict().values(), other.mtp.state_dict().values()))
 
     seen = []
-    real = gen.spec.DraftHead
+    real = gen.draft_head.DraftHead
 
     def spy(model, params, vocab, *a):
         seen.append(vocab)
         return real(model, params, vocab, *a)
 
-    monkeypatch.setattr(gen.spec, "DraftHead", spy)
+    monkeypatch.setattr(gen.draft_head, "DraftHead", spy)
     prompt = [[1, 2, 3, 4]]
     plain = gen.generate(other, prompt, max_new_tokens=8)
     spec = gen.generate(other, prompt, max_new_tokens=8, draft_tokens=2)

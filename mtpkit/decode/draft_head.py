@@ -1,0 +1,90 @@
+"""`DraftHead`: the lm_head a drafter turns its hidden states into drafts with (any head kind, over the whole
+vocabulary or a draft vocabulary), optionally gated by confidence; `frequent_tokens` picks a draft vocabulary."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import torch
+
+from ..kernels.linear import linear
+from .sampling import SamplingParams, probs, sample
+
+
+def frequent_tokens(token_ids: Iterable, n: int) -> torch.Tensor:
+    """The n most frequent ids (most frequent first) in an iterable of ids or of id sequences (documents),
+    to use as `draft_vocab`."""
+    counts = Counter()
+    for item in token_ids:
+        counts.update(torch.as_tensor(item).flatten().tolist())
+    if not counts:
+        raise ValueError("frequent_tokens got no token ids to count")
+    return torch.tensor([t for t, _ in counts.most_common(n)], dtype=torch.long)
+
+
+class DraftHead:
+    """The lm_head used for drafting: the full output weight, or only the rows of a reduced draft vocabulary.
+    Drafting from a subset changes only q (zero outside it), which rejection sampling corrects exactly.
+
+    min_prob > 0 gates drafting by confidence (llama.cpp's `p_min`, EAGLE-2's confidence, transformers'
+    `assistant_confidence_threshold`): the head probability of a draft is q(d), the draft distribution's
+    probability of the token drafted (greedy: its top-1 probability, softmax at temperature 1 over the draft
+    vocabulary). Sampling uses q(d), not max q: a draw from q's tail is unlikely to be accepted however peaked q
+    is, and EAGLE-2 finds q(d) tracks the acceptance rate. The rule reads only the draft side, so output
+    stays exact."""
+
+    def __init__(self, model, params: SamplingParams, vocab: torch.Tensor | None = None, min_prob: float = 0.0):
+        self.params, self.min_prob = params, float(min_prob)
+        self.vocab_size = model.config.vocab_size
+        weight = model.output_weight
+        # a quantised model drafts with its int8 projection too (half the bytes; verification decides anyway)
+        self.projection = model.output_projection
+        self.vocab = None
+        if vocab is not None:
+            vocab = torch.as_tensor(vocab, dtype=torch.long, device=weight.device).flatten()
+            if vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= self.vocab_size:
+                raise ValueError(f"draft_vocab must hold token ids in [0, {self.vocab_size}) and not be empty")
+            self.vocab = vocab.unique()
+            if self.projection is None:
+                weight = weight[self.vocab]  # [N, H]: a copy, made once per generate call
+                if weight.dtype == torch.float32 and weight.device.type == "cpu":
+                    # rounded to bf16 values, which the decode router streams from a bf16 copy: half the bytes of
+                    # each draft depth's projection; only q changes (by rounding), which verification corrects
+                    weight = weight.bfloat16().float()
+            else:
+                self.projection = self.projection.rows(self.vocab)
+        self.weight = weight
+
+    def __call__(self, hidden: torch.Tensor, generator, width: int = 1) -> HeadDraft:
+        """MTP output [B, H] -> one draft per row, its q, its gate and, for width w > 1, the w - 1 next most likely
+        ids (see `HeadDraft`)."""
+        logits = linear(hidden, self.weight) if self.projection is None else self.projection(hidden)  # [B, V or N]
+        if self.params.greedy:
+            top = logits.topk(width, dim=-1).indices if width > 1 else logits.argmax(dim=-1, keepdim=True)
+            idx, others = top[:, 0], (self._ids(top[:, 1:]) if width > 1 else None)
+            sure = None
+            if self.min_prob:  # softmax at the argmax = exp(max - logsumexp): one pass over the draft vocabulary
+                best = logits.gather(1, idx[:, None])[:, 0].float()
+                sure = (best - logits.float().logsumexp(dim=-1)).exp() >= self.min_prob
+            return HeadDraft(self._ids(idx), None, sure, others)
+        q = probs(logits, self.params)
+        idx = sample(q, generator)
+        sure = q.gather(1, idx[:, None])[:, 0] >= self.min_prob if self.min_prob else None
+        # the most likely ids besides the one drawn (q of the drawn one set below any probability)
+        others = self._ids(q.scatter(1, idx[:, None], -1.0).topk(width - 1, dim=-1).indices) if width > 1 else None
+        if self.vocab is not None:
+            q = q.new_zeros(q.shape[0], self.vocab_size).index_copy_(1, self.vocab, q)
+        return HeadDraft(self._ids(idx), q, sure, others)
+
+    def _ids(self, idx: torch.Tensor) -> torch.Tensor:
+        """Indices into the drafting rows -> token ids."""
+        return idx if self.vocab is None else self.vocab[idx]
+
+
+class HeadDraft(NamedTuple):
+    ids: torch.Tensor  # [B] the draft of each row
+    q: torch.Tensor | None  # [B, V] the draft distribution over the full vocabulary; None when greedy
+    sure: torch.Tensor | None  # [B] bool, when gating: the draft is confident enough to draft on after it
+    others: torch.Tensor | None  # [B, w - 1] the next most likely ids, most likely first, for a draft tree

@@ -1,12 +1,14 @@
 """The fused decoder-layer op against the layer's own modules (the reference): outputs and cache writes for decode,
 verify and draft-tree steps of Llama (rope scaling), Qwen2 (QKV bias), Qwen3 (QK-norm) and an MTP layer, batched;
-which layers it takes; that the router sends decoding through it, with greedy output equal to full forwards."""
+which layers it takes, decided on every config field, the others falling back to the modules; that the router sends
+decoding through it, with greedy output equal to full forwards."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
-from drafting import assert_greedy_is_full_forward_argmax
+from drafting import CONFIGS, assert_greedy_is_full_forward_argmax
 from recording import record_calls
 from tiny_models import hf_model, random_mtp_tensors, save_hf
 
@@ -15,6 +17,9 @@ from mtpkit.decode import matmul_routing as routing
 from mtpkit.decode.cache import Cache
 from mtpkit.kernels import decode_layer, thin_matmul
 from mtpkit.models.block import DecoderLayer
+from mtpkit.models.config import ModelConfig, config_from_hf
+from mtpkit.models.init import init_weights
+from mtpkit.models.transformer import CausalLM
 
 pytestmark = pytest.mark.skipif(not thin_matmul.supported(), reason="the CPU kernels need an x86-64 CPU with AVX2")
 
@@ -96,6 +101,46 @@ def test_which_layers_it_takes(tmp_path):
     moe = llama.config.replace(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     assert not decode_layer.supports(DecoderLayer(moe, "full_attention", moe=True))
     assert not decode_layer.supports(llama.to(torch.bfloat16).model.layers[0])
+
+
+def test_every_config_field_is_decided():
+    # a field added to ModelConfig fails here until decode_layer.ACCEPTS says which of its values the op computes
+    assert list(decode_layer.ACCEPTS) == [f.name for f in dataclasses.fields(ModelConfig)]
+
+
+def _llama_config() -> ModelConfig:
+    return config_from_hf(dict(CONFIGS["llama"], num_hidden_layers=2))
+
+
+def test_a_field_it_does_not_know_is_refused():
+    wider = dataclasses.make_dataclass("Wider", [("sliding_window", int, 0)], bases=(ModelConfig,))
+    config = wider(**vars(_llama_config()))
+    assert decode_layer.refused_fields(config) == ["sliding_window"]
+    assert not decode_layer.supports(DecoderLayer(config, "full_attention", moe=False))
+
+
+# one value the op does not compute for each field it decides (a module path exists for each)
+REFUSED = {"hidden_act": "gelu", "o_bias": True, "mlp_bias": True, "zero_centered_norm": True,
+           "attn_output_gate": True, "extra": {"sliding_window": 8}}
+
+
+def test_every_decided_field_has_a_refused_value_below():
+    assert set(REFUSED) == {name for name, accepted in decode_layer.ACCEPTS.items() if accepted is not decode_layer.ANY}
+
+
+@pytest.mark.parametrize("change", [{}] + [{k: v} for k, v in REFUSED.items()], ids=lambda c: next(iter(c), "none"))
+def test_a_refused_value_decodes_through_the_modules(change, one_thread):
+    config = _llama_config().replace(**change)
+    torch.manual_seed(0)
+    model = CausalLM(config).eval()
+    init_weights(model)
+    with pytest.MonkeyPatch.context() as mp:
+        calls = record_calls(mp, decode_layer, "decode_layer")
+        mp.setattr(routing.router_for(model), "force", ("thin4", 1))  # would fuse every layer it takes
+        plain = mtpkit.generate(model, [[1, 5, 9, 30, 2]], max_new_tokens=6)
+    assert bool(calls) == (not change)
+    assert all(decode_layer.supports(layer) == (not change) for layer in model.model.layers)
+    assert_greedy_is_full_forward_argmax(model, [[1, 5, 9, 30, 2]], plain.tokens)
 
 
 def test_bad_calls_are_refused(model):

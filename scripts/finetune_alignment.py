@@ -28,13 +28,14 @@ from pathlib import Path
 import torch
 
 import mtpkit
-from mtpkit.assets import cache_dir, default_gguf_path
-from mtpkit.bench.speedup import DEFAULT_HEAD, DEFAULT_PROMPTS, Prompt, encode_prompts, read_prompts, resource, run_bench
+from mtpkit.assets import cache_dir
+from mtpkit.bench.speedup import run_bench
 from mtpkit.checkpoint.graft import graft
 from mtpkit.checkpoint.hf import save_model
-from mtpkit.checkpoint.mtp_head import load_mtp_head
 from mtpkit.datasets.distill import distill
 from mtpkit.datasets.shakespeare import shakespeare_texts
+from mtpkit.prompts import Prompt, encode_prompts, read_prompts
+from mtpkit.resources import DEFAULT_PROMPTS, resource
 from mtpkit.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,9 +68,8 @@ def prepare(out: Path, n_prompts: int) -> dict:
                 (train_dir / f.name).symlink_to(f.resolve())
     base = out / "base"
     if not base.exists():
-        gguf = default_gguf_path()
-        model = load_mtp_head(mtpkit.load_model(gguf), resource(DEFAULT_HEAD))
-        save_model(model, base, load_tokenizer(gguf))
+        model, tok, _, _ = mtpkit.load_for_decoding()  # the embedded SmolLM2 with its shipped head
+        save_model(model, base, tok)
     rng = random.Random(0)
     held = [s for name in HELD_OUT for s in speeches(texts / name)]
     rng.shuffle(held)
@@ -123,9 +123,8 @@ def held_out_loss(model, tok, texts: list[str], seq_len: int = 256) -> float:
 
 
 def evaluate(model_dir: Path, setup: dict, general: list[Prompt], vocab: torch.Tensor, num_tokens: int) -> dict:
-    model = mtpkit.load_model(model_dir).eval()
-    model.drafter.draft_vocab = vocab  # every arm drafts over the shipped head's vocabulary, as deployed
-    tok = load_tokenizer(model_dir)
+    # every arm drafts over the shipped head's vocabulary, as deployed
+    model, tok, _, _ = mtpkit.load_for_decoding(model_dir, draft_vocab=vocab)
     result = {"held_out_loss": held_out_loss(model, tok, setup["eval_text"])}
     for name, prompts in (("domain", setup["domain"]), ("general", general)):
         prompts = encode_prompts([Prompt(p.text, p.chat, p.kind) for p in prompts], tok)
@@ -149,7 +148,7 @@ def main() -> int:
     out = Path(args.out)
     setup = prepare(out, args.prompts)
     general = read_prompts(resource(DEFAULT_PROMPTS))[: args.prompts]
-    vocab = load_mtp_head(mtpkit.load_model(default_gguf_path()), resource(DEFAULT_HEAD)).drafter.draft_vocab
+    vocab = mtpkit.load_for_decoding().model.drafter.draft_vocab
     results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     if "base" not in results:

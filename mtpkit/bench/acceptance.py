@@ -16,8 +16,9 @@ from tqdm import tqdm
 
 from ..decode.generate import generate
 from ..decode.lookup import DEFAULT_NGRAM
+from ..prompts import Prompt
 from .report import RULE, label
-from .speedup import Prompt, acceptance_figures, spec_configs
+from .speedup import acceptance_figures, spec_configs
 
 
 def run_acceptance(model, prompts: list[Prompt], *, num_tokens: int, ks: list[int], min_probs=(0.0,), widths=((),),

@@ -10,7 +10,7 @@ import pytest
 import torch
 from drafting import CONFIGS, assert_greedy_is_full_forward_argmax
 from recording import record_calls
-from tiny_models import hf_model, random_mtp_tensors, save_hf
+from tiny_models import random_mtp_tensors, save_hf
 
 import mtpkit
 from mtpkit.decode import matmul_routing as routing
@@ -19,6 +19,7 @@ from mtpkit.kernels import decode_layer, thin_matmul
 from mtpkit.models.block import DecoderLayer
 from mtpkit.models.config import ModelConfig, config_from_hf
 from mtpkit.models.init import init_weights
+from mtpkit.models.presets import tiny_hf_model
 from mtpkit.models.transformer import CausalLM
 
 pytestmark = pytest.mark.skipif(not thin_matmul.supported(), reason="the CPU kernels need an x86-64 CPU with AVX2")
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.skipif(not thin_matmul.supported(), reason="the CPU ker
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
-    ref = hf_model(request.param)
+    ref = tiny_hf_model(request.param)
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if name.endswith("bias"):
@@ -90,11 +91,11 @@ def test_a_draft_tree_mask(model):
 
 
 def test_which_layers_it_takes(tmp_path):
-    ref = hf_model("qwen3_5")  # gated attention, zero-centred norms, Gated DeltaNet layers
+    ref = tiny_hf_model("qwen3_5")  # gated attention, zero-centred norms, Gated DeltaNet layers
     save_hf(ref, tmp_path / "q", mtp_tensors=random_mtp_tensors(ref))
     hybrid = mtpkit.load_model(tmp_path / "q")
     assert not any(decode_layer.supports(layer) for layer in hybrid.model.layers)
-    ref = hf_model("llama")
+    ref = tiny_hf_model("llama")
     save_hf(ref, tmp_path / "l")
     llama = mtpkit.load_model(tmp_path / "l")
     assert decode_layer.supports(llama.model.layers[0])
@@ -188,7 +189,7 @@ def test_decoding_goes_through_it(model, one_thread):
 
 
 def test_exact_bf16_weights_are_streamed_and_follow_in_place_changes(tmp_path, one_thread):
-    ref = hf_model("qwen3")
+    ref = tiny_hf_model("qwen3")
     with torch.no_grad():
         ref.get_output_embeddings().weight.mul_(8.0)  # greedy choices far from rounding ties
     save_hf(ref, tmp_path / "m", mtp_tensors=random_mtp_tensors(ref))

@@ -12,6 +12,7 @@ from mtpkit.models.presets import tiny_hf_model
 from mtpkit.resources import DEFAULT_HEAD, resource
 
 
+@pytest.mark.slow
 def test_the_embedded_model_comes_with_its_shipped_head(smollm2_gguf):
     model, tokenizer, path, head = mtpkit.load_for_decoding()
     assert path == smollm2_gguf and head == resource(DEFAULT_HEAD)

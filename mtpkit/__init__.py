@@ -4,6 +4,7 @@ from .checkpoint.hf import CheckpointError, build_model, load_model, save_model
 from .decode.draft_spec import DraftSpec
 from .decode.generate import generate
 from .decode.int8 import quantize_int8
+from .loading import load_for_decoding
 from .models.config import ModelConfig, config_from_hf
 from .models.mtp import add_mtp
 from .models.multimodal import image_inputs, load_processor
@@ -22,6 +23,7 @@ __all__ = [
     "VisionLanguageModel",
     "generate",
     "image_inputs",
+    "load_for_decoding",
     "load_model",
     "load_processor",
     "quantize_int8",

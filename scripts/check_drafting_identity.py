@@ -57,16 +57,12 @@ def _decoded(model, prompts, kwargs, eos=None) -> dict:
 
 
 def decoding_record() -> dict:
-    from mtpkit.assets import default_gguf_path
-    from mtpkit.bench.speedup import DEFAULT_PROMPTS, read_prompts, resource, shipped_head
-    from mtpkit.checkpoint.hf import load_model
-    from mtpkit.checkpoint.mtp_head import load_mtp_head
-    from mtpkit.tokenizer import encode_prompt, load_tokenizer
+    from mtpkit.loading import load_for_decoding
+    from mtpkit.prompts import read_prompts
+    from mtpkit.resources import DEFAULT_PROMPTS, resource
+    from mtpkit.tokenizer import encode_prompt
 
-    path = default_gguf_path()
-    model = load_model(path, dtype=torch.float32).eval()
-    load_mtp_head(model, shipped_head(path))
-    tokenizer = load_tokenizer(path)
+    model, tokenizer, _, _ = load_for_decoding(dtype=torch.float32)
     prompts = [encode_prompt(tokenizer, p.text, p.chat) for p in read_prompts(resource(DEFAULT_PROMPTS))[:PROMPTS]]
     record = {name: _decoded(model, prompts, kw, tokenizer.eos_token_id) for name, kw in SMOLLM2_RUNS.items()}
 

@@ -21,9 +21,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=20, help="prompts decoded together")
     args = p.parse_args()
     root = Path(args.data).expanduser()
-    model = mtpkit.load_model(args.model, vision=True)
+    model, tok, _, _ = mtpkit.load_for_decoding(args.model, vision=True)
     processor = mtpkit.load_processor(args.model)
-    tok = processor.tokenizer
     records = [json.loads(line) for line in (root / "val.jsonl").read_text().splitlines()]
     images = [root / r["messages"][0]["content"][0]["image"] for r in records]
     prompts = [mtpkit.image_inputs(model, processor, PROMPT, open_images([im]), chat=True) for im in images]

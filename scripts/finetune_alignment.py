@@ -42,20 +42,19 @@ import torch.nn.functional as F
 import mtpkit
 from mtpkit.assets import default_gguf_path
 from mtpkit.bench.acceptance_se import mean_length_se, paired_difference_se
-from mtpkit.bench.speedup import DEFAULT_HEAD, DEFAULT_PROMPTS, read_prompts, resource
 from mtpkit.checkpoint.graft import graft
 from mtpkit.checkpoint.hf import save_model
-from mtpkit.checkpoint.mtp_head import load_mtp_head
 from mtpkit.datasets.code_corpus import build_code_corpus, cut_prompts, read_corpus
+from mtpkit.loading import load_for_decoding
+from mtpkit.prompts import read_prompts
+from mtpkit.resources import DEFAULT_PROMPTS, resource
 from mtpkit.tokenizer import encode_prompt, load_tokenizer
 from mtpkit.train.config import config_from_dict
 from mtpkit.train.export import export
 from mtpkit.refresh import FASTMTP_WEIGHTS, refresh
 from mtpkit.train.trainer import train
 
-ROOT = Path(__file__).resolve().parent.parent
-GENERAL_PROMPTS = (resource(DEFAULT_PROMPTS), ROOT / "docs/bench/heldout_prompts.jsonl",
-                   ROOT / "docs/bench/heldout2_prompts.jsonl")
+GENERAL_PROMPTS = (resource(DEFAULT_PROMPTS), resource("heldout_prompts.jsonl"), resource("heldout2_prompts.jsonl"))
 ARMS = {  # arm -> the [mtp] section of its fine-tune (None: the refresh of another arm)
     "a": {"depth": 0},
     "b01": {"mtp_lambda": 0.1},
@@ -94,8 +93,8 @@ def prepare(out: Path, corpus: Path, tok, size: dict) -> dict:
     domain prompts, held-out loss windows, general prompts and the refresh prompts (cut from training files)."""
     base = out / "base"
     if not base.exists():
-        gguf = default_gguf_path()
-        save_model(load_mtp_head(mtpkit.load_model(gguf), resource(DEFAULT_HEAD)), base, load_tokenizer(gguf))
+        model, tokenizer, _, _ = load_for_decoding()  # the embedded SmolLM2 with the shipped head
+        save_model(model, base, tokenizer)
     if not (corpus / "manifest.json").exists():
         build_code_corpus(corpus, tok, train_tokens=int(size["train_tokens"] * 1.05))
     sets_path = out / "eval_sets.json"

@@ -16,8 +16,9 @@ from tqdm import tqdm
 
 from ..decode.draft_spec import DraftSpec
 from ..decode.generate import generate
+from ..prompts import Prompt
 from .report import RULE, label
-from .speedup import Prompt, acceptance_figures
+from .speedup import acceptance_figures
 
 
 def run_acceptance(model, prompts: list[Prompt], *, num_tokens: int, specs: list[DraftSpec], temperature: float = 0.0,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .speedup import Prompt
+from ..prompts import Prompt
 
 CHARS_PER_TOKEN = 10  # generous: English text tokenizes to about 4 characters a token, code to about 3
 

@@ -48,18 +48,13 @@ from ..decode.sampling import SamplingParams
 from ..decode.state import DecodeState
 from ..kernels.linear import routed_linears
 from ..models.parallel_heads import head_outputs
-from .gpu_check.common import median_seconds
+from ..models.presets import QWEN35_SIZES, qwen35_config
 from .hf_baseline import load_hf_baseline
+from .timing import median_seconds
 
-# Qwen3.5-0.8B's text config (its config.json on the HF hub), 8 of its 24 layers
-QWEN35_08B_8L = dict(
-    model_type="qwen3_5_text", vocab_size=248320, hidden_size=1024, num_hidden_layers=8, num_attention_heads=8,
-    num_key_value_heads=2, head_dim=256, intermediate_size=3584, linear_num_key_heads=16,
-    linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-    tie_word_embeddings=True, max_position_embeddings=4096, mtp_num_hidden_layers=1, rms_norm_eps=1e-6,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-                     "mrope_section": [11, 11, 10]},
-)
+# Qwen3.5-0.8B's text shape, 8 of its 24 layers (its layer pattern kept)
+_HIDDEN, _, *_REST = QWEN35_SIZES["0.8B"]
+QWEN35_08B_8L = qwen35_config(_HIDDEN, 8, *_REST, mtp_layers=1)
 
 
 def median_ms(fn, repeats: int, device="cpu", before=None) -> float:

@@ -43,11 +43,9 @@ def head_ranks(model, prompts: list[list[int]], *, num_tokens: int, depths: int,
 
 
 def main(argv=None) -> None:
-    from ..assets import default_gguf_path
-    from ..checkpoint.hf import load_model
-    from ..checkpoint.mtp_head import load_mtp_head
-    from .speedup import DEFAULT_PROMPTS, load_prompts, resource, shipped_head
-    from ..tokenizer import load_tokenizer
+    from ..loading import load_for_decoding
+    from ..prompts import load_prompts
+    from ..resources import DEFAULT_PROMPTS, resource
 
     p = argparse.ArgumentParser(prog="python -m mtpkit.bench.head_ranks", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="HF model directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
@@ -61,14 +59,9 @@ def main(argv=None) -> None:
     top = sorted({int(c) for c in args.top.split(",") if c.strip()})
     if not top or top[0] < 1 or args.depths < 1 or args.num_tokens < 2:
         p.error("--top needs values >= 1, --depths >= 1 and --num-tokens >= 2")
-    path = args.model or default_gguf_path()
-    model = load_model(path)
-    head = args.mtp or shipped_head(path)
-    if head:
-        load_mtp_head(model, head)
+    model, tokenizer, path, _ = load_for_decoding(args.model, head=args.mtp)
     if model.drafter is None:
         p.error(f"{path} has no MTP head: pass one with --mtp")
-    tokenizer = load_tokenizer(path)
     prompts = load_prompts(args.prompts or resource(DEFAULT_PROMPTS), tokenizer)[: args.limit or None]
     report = head_ranks(model.eval(), [q.ids for q in prompts], num_tokens=args.num_tokens, depths=args.depths,
                         top=top, eos=tokenizer.eos_token_id)

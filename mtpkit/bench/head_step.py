@@ -51,7 +51,7 @@ def main(argv=None) -> None:
     from ..assets import default_gguf_path
     from ..checkpoint.hf import load_model
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m mtpkit.bench.head_step", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="HF model directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--tokens", type=int, default=1024, help="tokens per step")
     p.add_argument("--rows", type=int, default=1, help="rows the tokens are split into")

@@ -70,18 +70,11 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
             "prefix": sum(common_prefix(a, b) for a, b in zip(outputs, reference)) / len(reference)}
 
 
-def load(path: Path, mode: str):
-    from ..checkpoint.hf import load_model
-    from ..decode.int8 import quantize_int8
-
-    dtype, quantize = MODES[mode]
-    model = load_model(path, dtype=dtype, mtp=False).eval()
-    return quantize_int8(model) if quantize == "int8" else model
-
-
 def measure(path: Path, modes: list[str], limit: int, num_tokens: int, ppl_tokens: int, window: int) -> dict:
-    from ..bench.speedup import DEFAULT_PROMPTS, load_prompts, resource
     from ..decode.generate import generate
+    from ..loading import load_for_decoding
+    from ..prompts import load_prompts
+    from ..resources import DEFAULT_PROMPTS, resource
     from ..tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(path)
@@ -89,7 +82,8 @@ def measure(path: Path, modes: list[str], limit: int, num_tokens: int, ppl_token
     text_ids = tokenizer(heldout_text(), add_special_tokens=False)["input_ids"][:ppl_tokens]
     outputs, rows = {}, {}
     for mode in sorted(modes, key=lambda m: m not in REFERENCES):  # references first
-        model = load(path, mode)
+        dtype, quantize = MODES[mode]
+        model = load_for_decoding(path, dtype=dtype, quantize=quantize).model
         result = generate(model, [p.ids for p in prompts], max_new_tokens=num_tokens,
                           eos_token_id=tokenizer.eos_token_id)
         outputs[mode] = result.tokens

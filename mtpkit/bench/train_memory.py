@@ -28,29 +28,7 @@ import subprocess
 import sys
 import time
 
-QWEN35_VOCAB = 248320
-
-# released Qwen3.5 text shapes (their config.json files): hidden, layers, heads, kv heads, inter, lin k/v heads
-QWEN35_SIZES = {
-    "0.8B": (1024, 24, 8, 2, 3584, 16, 16, True),
-    "2B": (2048, 24, 8, 2, 6144, 16, 16, True),
-    "4B": (2560, 32, 16, 4, 9216, 16, 32, True),
-    "9B": (4096, 32, 16, 4, 12288, 16, 32, False),
-    "27B": (5120, 64, 24, 4, 17408, 16, 48, False),
-}
-
-
-def qwen35_config(hidden, layers, heads, kv_heads, inter, lin_k, lin_v, tie, vocab=QWEN35_VOCAB, mtp_layers=0) -> dict:
-    return {
-        "model_type": "qwen3_5_text", "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers,
-        "layer_types": ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)],
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": 256, "intermediate_size": inter,
-        "linear_num_key_heads": lin_k, "linear_num_value_heads": lin_v, "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "tie_word_embeddings": tie,
-        "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "mtp_num_hidden_layers": mtp_layers,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                            "mrope_section": [11, 11, 10], "mrope_interleaved": True},
-    }
+from ..models.presets import QWEN35_SIZES, QWEN35_VOCAB, qwen35_config
 
 
 def _rss_bytes() -> int:
@@ -117,7 +95,8 @@ def flops_ratio(cfg: dict, seq: int, depth: int) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="MTP on vs off: training step time and peak memory")
+    p = argparse.ArgumentParser(prog="python -m mtpkit.bench.train_memory",
+                                description="MTP on vs off: training step time and peak memory")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=24)

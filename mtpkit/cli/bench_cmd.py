@@ -54,17 +54,16 @@ ACCEPTANCE_KEYS = ("num_tokens", "specs", "temperature", "eos_token_id")
 def run(args) -> int:
     import torch
 
-    from ..assets import default_gguf_path
     from ..bench.acceptance import render_acceptance, run_acceptance
     from ..bench.contexts import context_prompts, python_docs, read_documents
     from ..bench.hf_baseline import load_hf_baseline
     from ..bench.report import label, plot, render, render_contexts
-    from ..bench.speedup import DEFAULT_PROMPTS, encode_prompts, read_prompts, resource, run_bench, shipped_head
-    from ..checkpoint.hf import load_model
-    from ..checkpoint.mtp_head import load_mtp_head
-    from ..decode.int8 import model_dtype, quantize_int8
+    from ..bench.speedup import run_bench
+    from ..decode.int8 import model_dtype
+    from ..loading import load_for_decoding
     from ..models.multimodal import load_processor
-    from ..tokenizer import load_tokenizer
+    from ..prompts import encode_prompts, read_prompts
+    from ..resources import DEFAULT_PROMPTS, resource
 
     specs = draft_args.grid_from_args(args)
     baselines = [b.strip() for b in (args.baseline or "").split(",") if b.strip()]
@@ -84,22 +83,14 @@ def run(args) -> int:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, not {args.batch_size}")
     dtype = model_dtype(args.dtype, args.quantize)
-    path = Path(args.model) if args.model else default_gguf_path()
     prompts = [] if lengths else read_prompts(args.prompts or resource(DEFAULT_PROMPTS))[: args.limit or None]
     vision = any(p.images for p in prompts)  # image prompts: the vision tower and the processor are loaded too
     if vision and baselines:
         raise ValueError("--baseline takes text prompts only")
-    model = load_model(path, dtype=dtype, vision=vision)
-    head = args.mtp or shipped_head(path)
-    if head:
-        load_mtp_head(model, head)
+    model, tokenizer, path, head = load_for_decoding(args.model, head=args.mtp, dtype=dtype, quantize=args.quantize,
+                                                     draft_vocab="full" if args.full_vocab else None, vision=vision)
     if model.drafter is None and any(s.draft_tokens for s in specs):
         raise ValueError(f"{path} has no MTP head: pass one with --mtp (train one with mtpkit train, mtp.only = true)")
-    if args.full_vocab and model.drafter is not None:
-        model.drafter.draft_vocab = None
-    if args.quantize:
-        quantize_int8(model)
-    tokenizer = load_tokenizer(path)
     hf = load_hf_baseline(path, dtype) if baselines else None
     bench = dict(num_tokens=args.num_tokens, specs=specs, temperature=args.temperature,
                  repeats=args.repeats, eos_token_id=tokenizer.eos_token_id, hf_model=hf, baselines=baselines,

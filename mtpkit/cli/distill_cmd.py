@@ -47,8 +47,9 @@ def add_parser(sub) -> None:
 
 def distill_words(tokenizer) -> list[str]:
     """The words `--word-share` prompts are about: the tokenizer's whole words less the benchmark prompts' words."""
-    from ..bench.speedup import DEFAULT_PROMPTS, read_prompts, resource
     from ..datasets.distill_prompts import vocabulary_words
+    from ..prompts import read_prompts
+    from ..resources import DEFAULT_PROMPTS, resource
 
     return vocabulary_words(tokenizer, exclude=" ".join(p.text for p in read_prompts(resource(DEFAULT_PROMPTS))))
 

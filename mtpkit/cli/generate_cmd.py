@@ -5,7 +5,6 @@ on that model it drafts with the shipped MTP head unless --mtp names another."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from . import draft_args
 
@@ -77,26 +76,15 @@ def stats_line(stats: dict, k: int, gated: bool = False) -> str:
 
 
 def run(args) -> int:
-    from ..assets import default_gguf_path
-    from ..bench.speedup import shipped_head
-    from ..checkpoint.hf import load_model
-    from ..checkpoint.mtp_head import load_mtp_head
     from ..decode.generate import generate
-    from ..decode.int8 import model_dtype, quantize_int8
+    from ..loading import load_for_decoding
     from ..models.multimodal import image_inputs, load_processor, open_images
-    from ..tokenizer import encode_prompt, load_tokenizer
+    from ..tokenizer import encode_prompt
 
     spec = draft_args.spec_from_args(args)  # its rules checked before anything is loaded
-    dtype = model_dtype(args.dtype, args.quantize)
-    path = Path(args.model) if args.model else default_gguf_path()
     images = open_images(args.image)
-    model = load_model(path, dtype=dtype, vision=bool(images))
-    head = args.mtp or shipped_head(path)
-    if head:
-        load_mtp_head(model, head)
-    if args.quantize:
-        quantize_int8(model)
-    tokenizer = load_tokenizer(path)
+    model, tokenizer, path, _ = load_for_decoding(args.model, head=args.mtp, dtype=args.dtype, quantize=args.quantize,
+                                                  vision=bool(images))
     if images:
         prompt = image_inputs(model, load_processor(path), args.prompt, images, args.chat)
     else:

@@ -60,7 +60,7 @@ def summary(model) -> dict:
 
 def no_mtp_hint(path) -> str:
     """How to get an MTP head for a checkpoint without one: the shipped head for the embedded SmolLM2 model."""
-    from ..bench.speedup import shipped_head
+    from ..resources import shipped_head
 
     head = shipped_head(path)
     if head:

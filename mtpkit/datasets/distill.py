@@ -168,8 +168,8 @@ def distill(model, tokenizer, prompts: list[dict], out_path, *, max_new_tokens: 
 
 
 def read_user_prompts(path) -> list[dict]:
-    """A user's prompts file (`bench.speedup.read_prompts`' formats) as distillation prompts."""
-    from ..bench.speedup import read_prompts
+    """A user's prompts file (`prompts.read_prompts`' formats) as distillation prompts."""
+    from ..prompts import read_prompts
 
     prompts = read_prompts(path)
     if any(p.images for p in prompts):

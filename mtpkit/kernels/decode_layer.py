@@ -7,15 +7,17 @@ arithmetic in plain loops around the same thin products. torch.compile was tried
 (dynamic shapes, inductor's C++ backend) made the step slower there (70 vs 57 ms), its guards and wrapper per
 layer call costing more than the ops it fused.
 
-Layers it takes (`supports`): attention + dense SwiGLU MLP with plain (not zero-centred) RMSNorms, optional QKV
-bias and QK-norm (Llama, Qwen2, Qwen3, SmolLM2, and the MTP layer of such a model), fp32 weights in
-`kernels.linear.Linear`; Gated DeltaNet, MoE, the gated attention of Qwen3.5 and int8 weights keep the module
-path. The decode router (decode/matmul_routing.py) calls it only where it measured the thin kernel fastest for
-every product of the layer at that row count.
+Layers it takes (`supports`): decided from every field of the layer's ModelConfig (`ACCEPTS`, which a test keeps
+equal to the dataclass's fields, so a new config switch falls back to the modules until it is decided here), then
+from the modules themselves: attention + dense SwiGLU MLP in fp32 `kernels.linear.Linear` weights (Llama, Qwen2,
+Qwen3, SmolLM2, and the MTP layer of such a model). Gated DeltaNet, MoE, the gated attention and zero-centred norms
+of Qwen3.5 and int8 or bf16 weights keep the module path. The decode router (decode/matmul_routing.py) calls it only
+where it measured the thin kernel fastest for every product of the layer at that row count.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -23,21 +25,74 @@ import torch
 from . import thin_matmul
 from .linear import Linear
 
+ANY = None  # the op computes every value of the field: it reads it from the weights or the model's inputs
+# Every ModelConfig field -> the values of it the fused op computes exactly. A field missing here is not taken.
+ACCEPTS = {
+    "model_type": ANY,  # the family acts only through the switches below
+    "vocab_size": ANY,  # not part of a decoder layer
+    "hidden_size": ANY,  # sizes: read from the weight shapes
+    "num_hidden_layers": ANY,
+    "num_attention_heads": ANY,
+    "num_key_value_heads": ANY,  # GQA: heads / kv heads from the shapes
+    "head_dim": ANY,
+    "intermediate_size": ANY,
+    "rms_norm_eps": ANY,  # passed to the op
+    "hidden_act": ("silu", "swish"),  # the op's MLP is SwiGLU
+    "tie_word_embeddings": ANY,
+    "max_position_embeddings": ANY,
+    # rotary: the model's (cos, sin) tables are the op's inputs; it rotates their first r channels
+    "rope_theta": ANY,
+    "partial_rotary_factor": ANY,
+    "mrope_section": ANY,
+    "rope_scaling": ANY,
+    "qkv_bias": ANY,  # optional bias arguments
+    "o_bias": (False,),
+    "mlp_bias": (False,),
+    "qk_norm": ANY,  # optional norm arguments
+    "zero_centered_norm": (False,),  # the op's norms multiply by w, not (1 + w)
+    "attn_output_gate": (False,),
+    # which layers are attention / MoE: each layer's own modules are checked in `supports`
+    "hybrid": ANY,
+    "fused_gdn_proj": ANY,
+    "layer_types": ANY,
+    "linear_num_key_heads": ANY,
+    "linear_num_value_heads": ANY,
+    "linear_key_head_dim": ANY,
+    "linear_value_head_dim": ANY,
+    "linear_conv_kernel_dim": ANY,
+    "num_experts": ANY,
+    "num_experts_per_tok": ANY,
+    "moe_intermediate_size": ANY,
+    "shared_expert_intermediate_size": ANY,
+    "norm_topk_prob": ANY,
+    "decoder_sparse_step": ANY,
+    "mlp_only_layers": ANY,
+    "mtp_num_hidden_layers": ANY,  # an MTP layer is a decoder layer like the trunk's
+    "mtp_parallel_heads": ANY,
+    "mtp_parallel_intermediate_size": ANY,  # a head's layer is built with it as its intermediate_size
+    "extra": ({},),  # keys no field models: none
+}
+
+
+def refused_fields(config) -> list[str]:
+    """The fields of `config` whose value the op does not compute (or does not know): empty when it takes it."""
+    return [f.name for f in dataclasses.fields(config)
+            if f.name not in ACCEPTS or ACCEPTS[f.name] is not ANY and getattr(config, f.name) not in ACCEPTS[f.name]]
+
 
 def supports(layer) -> bool:
     """Whether `layer` (models.block.DecoderLayer) is one the fused op computes exactly."""
     attn, mlp = getattr(layer, "self_attn", None), layer.mlp
     # the dense SwiGLU MLP is the one with these three (an MoE block has experts and a router gate instead)
     swiglu = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-    if attn is None or attn.gated or None in swiglu:
+    if attn is None or None in swiglu or refused_fields(layer.config):
         return False
     norms = [layer.input_layernorm, layer.post_attention_layernorm] + (
         [attn.q_norm, attn.k_norm] if attn.q_norm is not None else [])
     linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *swiglu]
+    # int8 weights are another Linear type; bf16 ones another dtype
     return (all(type(m) is Linear and m.weight.dtype == torch.float32 for m in linears)
-            and attn.o_proj.bias is None and all(m.bias is None for m in swiglu)
-            and not any(n.zero_centered or n.weight.dtype != torch.float32 for n in norms)
-            and len({n.eps for n in norms}) == 1)
+            and all(n.weight.dtype == torch.float32 for n in norms))
 
 
 class LayerWeights(NamedTuple):

@@ -27,6 +27,7 @@ class Context:
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_type: str, moe: bool):
         super().__init__()
+        self.config = config  # what the fused decode op (kernels/decode_layer.supports) decides on
         self.layer_type = layer_type
         if layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(config)

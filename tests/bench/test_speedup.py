@@ -8,16 +8,18 @@ import time
 
 import pytest
 import torch
-from tiny_models import hf_model, random_mtp_tensors, save_hf, save_word_tokenizer
+from tiny_models import random_mtp_tensors, save_hf, save_word_tokenizer
 
 import mtpkit
 from mtpkit.bench import speedup
 from mtpkit.bench.contexts import context_prompts, python_docs
 from mtpkit.bench.decode_step import cache_evictor, median_ms
 from mtpkit.bench.report import label, plot, render, render_contexts
-from mtpkit.bench.speedup import Prompt, break_even, load_prompts, run_bench
+from mtpkit.bench.speedup import break_even, run_bench
 from mtpkit.cli import main
 from mtpkit.decode.draft_spec import DraftSpec
+from mtpkit.models.presets import tiny_hf_model
+from mtpkit.prompts import Prompt, load_prompts
 
 JSON_KEYS = {"draft_tokens", "prompts", "baseline_tokens_per_s", "spec_tokens_per_s", "speedup", "acceptance_rate",
              "mean_acceptance_length", "accepted_per_position", "identical"}
@@ -26,7 +28,7 @@ JSON_KEYS = {"draft_tokens", "prompts", "baseline_tokens_per_s", "spec_tokens_pe
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("q35")
-    ref = hf_model("qwen3_5")
+    ref = tiny_hf_model("qwen3_5")
     save_hf(ref, path, mtp_tensors=random_mtp_tensors(ref))
     return mtpkit.load_model(path)
 
@@ -80,7 +82,7 @@ def test_break_even_weights_step_costs_by_the_stop_distribution():
 def test_transformers_baselines_greedy_and_prompt_lookup(tmp_path, monkeypatch):
     """Both baseline rows run transformers' generate() (prompt lookup with prompt_lookup_num_tokens) on the same
     model; their outputs are compared with mtpkit's plain greedy decoding, and a changed token is reported."""
-    ref = hf_model("llama")
+    ref = tiny_hf_model("llama")
     save_hf(ref, tmp_path, mtp_tensors=random_mtp_tensors(ref))
     model = mtpkit.load_model(tmp_path)
     calls = []
@@ -173,7 +175,7 @@ def test_bench_cli_on_smollm2_with_a_random_head(smollm2_gguf, tmp_path, capsys)
 def llama_dir(tmp_path_factory):
     """A tiny Llama with a random MTP head and a tokenizer whose words are t0 .. t255 (eos t255)."""
     path = tmp_path_factory.mktemp("tiny_llama")
-    ref = hf_model("llama")
+    ref = tiny_hf_model("llama")
     save_hf(ref, path, mtp_tensors=random_mtp_tensors(ref))
     save_word_tokenizer(path)
     return path
@@ -241,7 +243,7 @@ def test_bench_cli_context_drafts(llama_dir, tmp_path, capsys):
 def test_bench_cli_context_drafts_without_a_head(tmp_path):
     """A model without a head benchmarks context drafts alone (k = 0)."""
     path = tmp_path / "no_head"
-    save_hf(hf_model("llama"), path)
+    save_hf(tiny_hf_model("llama"), path)
     save_word_tokenizer(path)
     prompts = tmp_path / "p.txt"
     prompts.write_text("t5 t9 t3 t7 t158 t172 t250 t241 t102 t209 t255 t5 t9 t3 t7\n")

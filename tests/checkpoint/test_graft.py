@@ -9,12 +9,13 @@ import torch
 import transformers as tf
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from tiny_models import hf_model, random_mtp_tensors, save_hf
+from tiny_models import random_mtp_tensors, save_hf
 
 import mtpkit
 from mtpkit.checkpoint.graft import HEAD_FILE, INDEX, graft
 from mtpkit.checkpoint.mtp_head import save_mtp_head
 from mtpkit.cli import main
+from mtpkit.models.presets import tiny_hf_model
 
 
 def _tensors(path) -> dict[str, torch.Tensor]:
@@ -48,7 +49,7 @@ def qwen(tmp_path_factory):
     """BASE: a 'released' Qwen3.5 with a bf16 head; FINETUNED: BASE loaded, tuned and saved by transformers, as
     TRL & co. do (the head is lost, config.json still says mtp_num_hidden_layers = 1)."""
     root = tmp_path_factory.mktemp("qwen")
-    model = hf_model("qwen3_5")
+    model = tiny_hf_model("qwen3_5")
     mtp = {k: v.to(torch.bfloat16) for k, v in random_mtp_tensors(model).items()}
     save_hf(model, root / "base", mtp_tensors=mtp)
     _fine_tune(tf.AutoModelForCausalLM.from_pretrained(root / "base")).save_pretrained(root / "finetuned")
@@ -106,7 +107,7 @@ def test_graft_into_a_save_pretrained_checkpoint(qwen, tmp_path):
 def test_sharded_checkpoint_keeps_its_shards(qwen, tmp_path):
     base, _ = qwen
     sharded = tmp_path / "sharded"
-    _fine_tune(hf_model("qwen3_5")).save_pretrained(sharded, max_shard_size="40KB")
+    _fine_tune(tiny_hf_model("qwen3_5")).save_pretrained(sharded, max_shard_size="40KB")
     shards = sorted(set(json.loads((sharded / INDEX).read_text())["weight_map"].values()))
     assert len(shards) > 2
     out = tmp_path / "out"
@@ -118,7 +119,7 @@ def test_sharded_checkpoint_keeps_its_shards(qwen, tmp_path):
 
 
 def test_vlm_layout_keys_go_to_text_config(tmp_path):
-    model = hf_model("qwen3_5_vlm")
+    model = tiny_hf_model("qwen3_5_vlm")
     mtp = random_mtp_tensors(model)
     save_hf(model, tmp_path / "base", mtp_tensors=mtp)
     _fine_tune(model).save_pretrained(tmp_path / "finetuned")
@@ -132,7 +133,7 @@ def test_vlm_layout_keys_go_to_text_config(tmp_path):
 @pytest.mark.parametrize("per_expert", [False, True], ids=["fused", "per_expert"])
 def test_moe_head_in_either_expert_layout(per_expert, tmp_path):
     """Qwen3.5-MoE: MTP experts stored fused (transformers 5) or one tensor per expert (Qwen3-Next's release)."""
-    model = hf_model("qwen3_5_moe")
+    model = tiny_hf_model("qwen3_5_moe")
     mtp = random_mtp_tensors(model)
     if per_expert:
         for name in [n for n in mtp if n.endswith("mlp.experts.gate_up_proj")]:
@@ -155,7 +156,7 @@ def test_moe_head_in_either_expert_layout(per_expert, tmp_path):
 def llama(tmp_path_factory):
     """A tied-embedding Llama fine-tune saved by transformers, and an mtpkit head file (bf16) for it."""
     root = tmp_path_factory.mktemp("llama")
-    model = hf_model("llama")
+    model = tiny_hf_model("llama")
     model.config.tie_word_embeddings = True
     model.tie_weights()
     model.save_pretrained(root / "finetuned")
@@ -176,8 +177,8 @@ def test_a_stale_head_is_replaced(qwen, tmp_path):
     """FINETUNED that kept an (old) head: its shard is rewritten without it, its other tensors unchanged."""
     base, _ = qwen
     stale = tmp_path / "stale"
-    other = {k: v.to(torch.bfloat16) for k, v in random_mtp_tensors(hf_model("qwen3_5"), seed=7).items()}
-    save_hf(hf_model("qwen3_5"), stale, mtp_tensors=other)
+    other = {k: v.to(torch.bfloat16) for k, v in random_mtp_tensors(tiny_hf_model("qwen3_5"), seed=7).items()}
+    save_hf(tiny_hf_model("qwen3_5"), stale, mtp_tensors=other)
     graft(base, stale, tmp_path / "out")
     _check_graft({n: t for n, t in _tensors(base).items() if n.startswith("mtp.")}, stale, tmp_path / "out")
     assert not any(n.startswith("mtp.") for n in load_file(tmp_path / "out" / "model.safetensors"))

@@ -6,10 +6,11 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import hf_model, random_mtp_tensors, save_hf
+from tiny_models import random_mtp_tensors, save_hf
 
 import mtpkit
 from mtpkit import CheckpointError
+from mtpkit.models.presets import tiny_hf_model
 
 
 def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -20,7 +21,7 @@ def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.fixture(scope="module")
 def released_bf16(tmp_path_factory):
     """A bf16 Qwen3.5 VLM checkpoint with a vision tower and mtp.* tensors, as released."""
-    ref = hf_model("qwen3_5_vlm")
+    ref = tiny_hf_model("qwen3_5_vlm")
     mtp = {k: v.to(torch.bfloat16) for k, v in random_mtp_tensors(ref).items()}
     path = tmp_path_factory.mktemp("released")
     save_hf(ref.to(torch.bfloat16), path, mtp_tensors=mtp)
@@ -54,7 +55,7 @@ def test_sharded_save_and_load(released_bf16, tmp_path):
 
 
 def test_per_expert_and_fused_experts_load_the_same(tmp_path):
-    ref = hf_model("qwen3_5_moe")
+    ref = tiny_hf_model("qwen3_5_moe")
     save_hf(ref, tmp_path / "fused")
     save_hf(ref, tmp_path / "per_expert", per_expert=True)
     assert any(".experts.0.gate_proj." in k for k in load_file(tmp_path / "per_expert" / "model.safetensors"))
@@ -72,7 +73,7 @@ def _edit_weights(path, fn):
 
 @pytest.fixture
 def llama_dir(tmp_path):
-    save_hf(hf_model("llama"), tmp_path / "llama")
+    save_hf(tiny_hf_model("llama"), tmp_path / "llama")
     return tmp_path / "llama"
 
 
@@ -138,7 +139,7 @@ def test_missing_path(tmp_path):
 def test_config_of_other_model(llama_dir, tmp_path):
     """A config that does not match the weights reports what is wrong, not a raw torch error."""
     other = tmp_path / "other"
-    save_hf(hf_model("qwen3"), other)
+    save_hf(tiny_hf_model("qwen3"), other)
     shutil.copy(other / "config.json", llama_dir / "config.json")
     with pytest.raises(CheckpointError, match="config.json"):
         mtpkit.load_model(llama_dir)

@@ -8,17 +8,18 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import hf_model, save_hf, save_word_tokenizer
+from tiny_models import save_hf, save_word_tokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import mtpkit
+from mtpkit import loading
 from mtpkit.assets import SMOLLM2_GGUF_NAME
-from mtpkit.bench.speedup import DEFAULT_HEAD, resource, shipped_head
-from mtpkit.checkpoint import hf
 from mtpkit.checkpoint.mtp_head import load_mtp_head, save_mtp_head
 from mtpkit.cli import main
 from mtpkit.cli.generate_cmd import TextStream
+from mtpkit.models.presets import tiny_hf_model
+from mtpkit.resources import DEFAULT_HEAD, resource, shipped_head
 from mtpkit.tokenizer import encode_prompt, load_tokenizer
 
 
@@ -26,7 +27,7 @@ from mtpkit.tokenizer import encode_prompt, load_tokenizer
 def model_dir(tmp_path_factory):
     """A tiny Llama without an MTP head, and a tokenizer whose words are t0 .. t255 (eos t255)."""
     path = tmp_path_factory.mktemp("tiny_llama")
-    save_hf(hf_model("llama"), path)
+    save_hf(tiny_hf_model("llama"), path)
     save_word_tokenizer(path, chat_template="{% for m in messages %}t10 {{ m['content'] }} {% endfor %}t11")
     return path
 
@@ -195,13 +196,13 @@ def test_the_first_command_a_newcomer_types(smollm2_gguf, capsys, monkeypatch):
     """`mtpkit generate --prompt ... --chat --draft-tokens 1` as typed: the embedded model with the shipped head
     (46% of drafts accepted on this prompt, where a random head gets almost none), the same text as plain
     decoding."""
-    loaded, load = [], hf.load_model
+    loaded, load = [], loading.load_model
 
     def recording_load(*args, **kwargs):  # the CLI's model, to decode plainly without loading it twice
         loaded.append(load(*args, **kwargs))
         return loaded[-1]
 
-    monkeypatch.setattr(hf, "load_model", recording_load)
+    monkeypatch.setattr(loading, "load_model", recording_load)
     prompt = "Write a haiku about the sea."
     code, out, err = run_cli(capsys, "--prompt", prompt, "--chat", "--draft-tokens", 1)
     assert code == 0, err

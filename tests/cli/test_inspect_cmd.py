@@ -2,15 +2,16 @@
 head (the embedded SmolLM2 model points at its shipped head), and a one-line error."""
 
 import pytest
-from tiny_models import hf_model, random_mtp_tensors, save_hf
+from tiny_models import random_mtp_tensors, save_hf
 
-from mtpkit.bench.speedup import DEFAULT_HEAD, resource
 from mtpkit.cli import main
 from mtpkit.cli.inspect_cmd import layer_pattern
+from mtpkit.models.presets import tiny_hf_model
+from mtpkit.resources import DEFAULT_HEAD, resource
 
 
 def test_inspect_released_layout(tmp_path, capsys):
-    ref = hf_model("qwen3_5_vlm")
+    ref = tiny_hf_model("qwen3_5_vlm")
     save_hf(ref, tmp_path, mtp_tensors=random_mtp_tensors(ref))
     assert main(["inspect", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -21,7 +22,7 @@ def test_inspect_released_layout(tmp_path, capsys):
 
 
 def test_a_checkpoint_without_a_head_is_told_how_to_add_one(tmp_path, capsys):
-    save_hf(hf_model("llama"), tmp_path)
+    save_hf(tiny_hf_model("llama"), tmp_path)
     assert main(["inspect", str(tmp_path)]) == 0
     assert "MTP weights: no (add one with mtpkit train ... or mtpkit.add_mtp)" in capsys.readouterr().out
 

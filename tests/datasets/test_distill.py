@@ -5,12 +5,14 @@ import json
 from collections import Counter
 
 from drafting import assert_greedy_is_full_forward_argmax
-from tiny_models import hf_model, save_hf
+from tiny_models import save_hf
 
 import mtpkit
-from mtpkit.bench.speedup import DEFAULT_PROMPTS, read_prompts, resource
 from mtpkit.datasets.distill import distill
 from mtpkit.datasets.distill_prompts import TOPICS, build_prompts, vocabulary_words
+from mtpkit.models.presets import tiny_hf_model
+from mtpkit.prompts import read_prompts
+from mtpkit.resources import DEFAULT_PROMPTS, resource
 
 
 class _CharTokenizer:
@@ -107,7 +109,7 @@ def test_self_and_multiturn_prompts_are_completed_with_the_models_words(tmp_path
 
 
 def test_distill_records_are_the_models_greedy_output(tmp_path):
-    save_hf(hf_model("qwen3"), tmp_path / "m")
+    save_hf(tiny_hf_model("qwen3"), tmp_path / "m")
     model = mtpkit.load_model(tmp_path / "m")
     prompts = [p for p in build_prompts(60, seed=0) if not p["chat"]][:5]
     info = distill(model, _CharTokenizer(), prompts, tmp_path / "d.jsonl", max_new_tokens=6, batch_size=2)
@@ -122,7 +124,7 @@ def test_distill_records_are_the_models_greedy_output(tmp_path):
 
 
 def test_distill_resumes_after_a_kill_without_repeating_or_losing_a_sample(tmp_path):
-    save_hf(hf_model("qwen3"), tmp_path / "m")
+    save_hf(tiny_hf_model("qwen3"), tmp_path / "m")
     model = mtpkit.load_model(tmp_path / "m")
     prompts = [p for p in build_prompts(80, seed=1) if not p["chat"]][:6]
     out = tmp_path / "d.jsonl"

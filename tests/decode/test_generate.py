@@ -3,9 +3,9 @@ different lengths, per-row EOS and length limits, streaming, seeds, and one clea
 
 import pytest
 import torch
-from tiny_models import hf_model
 
 import mtpkit
+from mtpkit.models.presets import tiny_hf_model
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -56,7 +56,7 @@ def test_seeded_sampling_repeats_and_seeds_differ(model):
 
 
 def test_bad_inputs(model):
-    no_mtp = mtpkit.build_model(hf_model("llama").config.to_dict())
+    no_mtp = mtpkit.build_model(tiny_hf_model("llama").config.to_dict())
     cases = [
         (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
         (dict(prompts=[[1] * 500], max_new_tokens=20), "exceeds the model's context of 512 tokens"),

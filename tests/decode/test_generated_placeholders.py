@@ -7,13 +7,14 @@ from collections import Counter
 
 import pytest
 import torch
-from tiny_models import VLM_TOKENS, hf_vlm_model, random_mtp_tensors, save_hf, vlm_prompt
+from tiny_models import random_mtp_tensors, save_hf
 
 import mtpkit
+from mtpkit.models.presets import VISION_TOKENS, tiny_hf_model, vlm_prompt
 from mtpkit.models.rope_index import mm_token_types
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-IMAGE, VIDEO = VLM_TOKENS["image_token_id"], VLM_TOKENS["video_token_id"]
+IMAGE, VIDEO = VISION_TOKENS["image_token_id"], VISION_TOKENS["video_token_id"]
 PROMPTS = [vlm_prompt([3, ("image", 1, 4, 6), 5], seed=1),
            vlm_prompt([2, ("image", 1, 4, 4), 1, ("video", 2, 4, 4), 2], seed=2)]
 N = 16
@@ -33,7 +34,7 @@ def emitting(request, tmp_path_factory):
     with DeepStack. With the placeholders' lm_head rows zeroed the model emits only text; then they take the word
     embeddings of the two tokens it emits most and 1.05x their lm_head rows, so it emits a placeholder where it
     emitted that token and goes on as before."""
-    ref = hf_vlm_model(request.param)
+    ref = tiny_hf_model(request.param)
     embed = ref.get_input_embeddings().weight
     with torch.no_grad():
         ref.lm_head.weight[[IMAGE, VIDEO]] = 0
@@ -83,7 +84,7 @@ def test_speculative_with_drafted_placeholders_equals_plain(emitting, k, vocab):
 def test_a_prompt_with_placeholders_but_no_pixels_is_an_error(emitting, kind):
     _, _, model = emitting
     ids = PROMPTS[1]["input_ids"]
-    n = int((ids == VLM_TOKENS[f"{kind}_token_id"]).sum())
+    n = int((ids == VISION_TOKENS[f"{kind}_token_id"]).sum())
     message = f"the prompt has {n} {kind} tokens but no {kind} pixel values were given"
     keep = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
     other = {k: v for k, v in PROMPTS[1].items() if k in keep["video" if kind == "image" else "image"]}

@@ -4,19 +4,19 @@ text rows, images and a video), and drafting after an image prompt reads the vis
 import pytest
 import torch
 from drafting import make_drafting
-from tiny_models import VLM_TOKENS, hf_vlm_model, vlm_prompt
 
 import mtpkit
 from mtpkit.decode.drafters import mtp_chain
+from mtpkit.models.presets import VISION_TOKENS, tiny_hf_model, vlm_prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-NEVER = sorted(VLM_TOKENS.values())  # greedy decoding never emits a placeholder, so a full forward can re-read it
+NEVER = sorted(VISION_TOKENS.values())  # greedy decoding never emits a placeholder, so a full forward can re-read it
 
 
 @pytest.fixture(scope="module", params=["qwen3_5_vlm", "qwen3_vl"])
 def vlm(request):
     """A tiny VLM (Gated DeltaNet + MRoPE, or Qwen3-VL with DeepStack) whose MTP head drafts well."""
-    raw = hf_vlm_model(request.param).config.to_dict()
+    raw = tiny_hf_model(request.param).config.to_dict()
     raw["text_config"]["tie_word_embeddings"] = raw["tie_word_embeddings"] = False
     raw["text_config"]["mtp_num_hidden_layers"] = 1
     return make_drafting(mtpkit.build_model(raw, vision=True), noise=0.25, never=NEVER)

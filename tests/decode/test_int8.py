@@ -6,12 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from drafting import PROMPTS, assert_greedy_is_full_forward_argmax, drafting_model
-from tiny_models import hf_model, save_hf, save_word_tokenizer
+from tiny_models import save_hf, save_word_tokenizer
 
 import mtpkit
 from mtpkit.checkpoint.mtp_head import load_mtp_head, save_mtp_head
 from mtpkit.cli import main as cli
 from mtpkit.decode.int8 import Int8Linear, model_dtype, quantize_int8, quantize_rows
+from mtpkit.models.presets import tiny_hf_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -150,7 +151,7 @@ def test_generate_cli_quantizes_after_loading_the_head(tmp_path, capsys):
     """`mtpkit generate --mtp HEAD --quantize int8` prints what the library gives for the model loaded in bf16 (the
     default --dtype with --quantize), its head attached, then quantised, and speculates on it."""
     path = tmp_path / "model"
-    save_hf(hf_model("llama"), path)
+    save_hf(tiny_hf_model("llama"), path)
     save_word_tokenizer(path)
     head = save_mtp_head(mtpkit.add_mtp(mtpkit.load_model(path)), tmp_path / "head.safetensors")
     model = mtpkit.load_model(path, dtype=torch.bfloat16)

@@ -5,11 +5,12 @@ import time
 
 import pytest
 import torch
-from tiny_models import hf_model, random_mtp_tensors, save_hf
+from tiny_models import random_mtp_tensors, save_hf
 
 import mtpkit
 from mtpkit.decode import matmul_routing as routing
 from mtpkit.kernels.linear import linear, routed_linears
+from mtpkit.models.presets import tiny_hf_model
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -76,7 +77,7 @@ def test_routing_is_scoped_to_decoding_and_exact():
 
 def _sharp(name, tmp_path, scale=8.0):
     """A tiny model whose lm_head is scaled up, so greedy choices are far from bf16 rounding ties."""
-    ref = hf_model(name)
+    ref = tiny_hf_model(name)
     with torch.no_grad():
         ref.get_output_embeddings().weight.mul_(scale)
     save_hf(ref, tmp_path / name, mtp_tensors=random_mtp_tensors(ref))

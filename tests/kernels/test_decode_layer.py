@@ -1,20 +1,26 @@
 """The fused decoder-layer op against the layer's own modules (the reference): outputs and cache writes for decode,
 verify and draft-tree steps of Llama (rope scaling), Qwen2 (QKV bias), Qwen3 (QK-norm) and an MTP layer, batched;
-which layers it takes; that the router sends decoding through it, with greedy output equal to full forwards."""
+which layers it takes, decided on every config field, the others falling back to the modules; that the router sends
+decoding through it, with greedy output equal to full forwards."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
-from drafting import assert_greedy_is_full_forward_argmax
+from drafting import CONFIGS, assert_greedy_is_full_forward_argmax
 from recording import record_calls
-from tiny_models import hf_model, random_mtp_tensors, save_hf
+from tiny_models import random_mtp_tensors, save_hf
 
 import mtpkit
 from mtpkit.decode import matmul_routing as routing
 from mtpkit.decode.cache import Cache
 from mtpkit.kernels import decode_layer, thin_matmul
 from mtpkit.models.block import DecoderLayer
+from mtpkit.models.config import ModelConfig, config_from_hf
+from mtpkit.models.init import init_weights
+from mtpkit.models.presets import tiny_hf_model
+from mtpkit.models.transformer import CausalLM
 
 pytestmark = pytest.mark.skipif(not thin_matmul.supported(), reason="the CPU kernels need an x86-64 CPU with AVX2")
 
@@ -22,7 +28,7 @@ pytestmark = pytest.mark.skipif(not thin_matmul.supported(), reason="the CPU ker
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
-    ref = hf_model(request.param)
+    ref = tiny_hf_model(request.param)
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if name.endswith("bias"):
@@ -85,17 +91,57 @@ def test_a_draft_tree_mask(model):
 
 
 def test_which_layers_it_takes(tmp_path):
-    ref = hf_model("qwen3_5")  # gated attention, zero-centred norms, Gated DeltaNet layers
+    ref = tiny_hf_model("qwen3_5")  # gated attention, zero-centred norms, Gated DeltaNet layers
     save_hf(ref, tmp_path / "q", mtp_tensors=random_mtp_tensors(ref))
     hybrid = mtpkit.load_model(tmp_path / "q")
     assert not any(decode_layer.supports(layer) for layer in hybrid.model.layers)
-    ref = hf_model("llama")
+    ref = tiny_hf_model("llama")
     save_hf(ref, tmp_path / "l")
     llama = mtpkit.load_model(tmp_path / "l")
     assert decode_layer.supports(llama.model.layers[0])
     moe = llama.config.replace(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     assert not decode_layer.supports(DecoderLayer(moe, "full_attention", moe=True))
     assert not decode_layer.supports(llama.to(torch.bfloat16).model.layers[0])
+
+
+def test_every_config_field_is_decided():
+    # a field added to ModelConfig fails here until decode_layer.ACCEPTS says which of its values the op computes
+    assert list(decode_layer.ACCEPTS) == [f.name for f in dataclasses.fields(ModelConfig)]
+
+
+def _llama_config() -> ModelConfig:
+    return config_from_hf(dict(CONFIGS["llama"], num_hidden_layers=2))
+
+
+def test_a_field_it_does_not_know_is_refused():
+    wider = dataclasses.make_dataclass("Wider", [("sliding_window", int, 0)], bases=(ModelConfig,))
+    config = wider(**vars(_llama_config()))
+    assert decode_layer.refused_fields(config) == ["sliding_window"]
+    assert not decode_layer.supports(DecoderLayer(config, "full_attention", moe=False))
+
+
+# one value the op does not compute for each field it decides (a module path exists for each)
+REFUSED = {"hidden_act": "gelu", "o_bias": True, "mlp_bias": True, "zero_centered_norm": True,
+           "attn_output_gate": True, "extra": {"sliding_window": 8}}
+
+
+def test_every_decided_field_has_a_refused_value_below():
+    assert set(REFUSED) == {name for name, accepted in decode_layer.ACCEPTS.items() if accepted is not decode_layer.ANY}
+
+
+@pytest.mark.parametrize("change", [{}] + [{k: v} for k, v in REFUSED.items()], ids=lambda c: next(iter(c), "none"))
+def test_a_refused_value_decodes_through_the_modules(change, one_thread):
+    config = _llama_config().replace(**change)
+    torch.manual_seed(0)
+    model = CausalLM(config).eval()
+    init_weights(model)
+    with pytest.MonkeyPatch.context() as mp:
+        calls = record_calls(mp, decode_layer, "decode_layer")
+        mp.setattr(routing.router_for(model), "force", ("thin4", 1))  # would fuse every layer it takes
+        plain = mtpkit.generate(model, [[1, 5, 9, 30, 2]], max_new_tokens=6)
+    assert bool(calls) == (not change)
+    assert all(decode_layer.supports(layer) == (not change) for layer in model.model.layers)
+    assert_greedy_is_full_forward_argmax(model, [[1, 5, 9, 30, 2]], plain.tokens)
 
 
 def test_bad_calls_are_refused(model):
@@ -143,7 +189,7 @@ def test_decoding_goes_through_it(model, one_thread):
 
 
 def test_exact_bf16_weights_are_streamed_and_follow_in_place_changes(tmp_path, one_thread):
-    ref = hf_model("qwen3")
+    ref = tiny_hf_model("qwen3")
     with torch.no_grad():
         ref.get_output_embeddings().weight.mul_(8.0)  # greedy choices far from rounding ties
     save_hf(ref, tmp_path / "m", mtp_tensors=random_mtp_tensors(ref))

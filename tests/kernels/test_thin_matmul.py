@@ -8,11 +8,12 @@ import pytest
 import torch
 from drafting import assert_greedy_is_full_forward_argmax
 from recording import record_calls
-from tiny_models import hf_model, random_mtp_tensors, save_hf
+from tiny_models import random_mtp_tensors, save_hf
 
 import mtpkit
 from mtpkit.decode import matmul_routing as routing
 from mtpkit.kernels import thin_matmul
+from mtpkit.models.presets import tiny_hf_model
 
 needs_kernel = pytest.mark.skipif(not thin_matmul.supported(), reason="the thin kernel needs an x86-64 CPU with AVX2")
 
@@ -112,7 +113,7 @@ def test_router_offers_it_for_fp32_only():
 @needs_kernel
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_decoding_through_it_equals_a_full_forward(name, tmp_path, one_thread):
-    ref = hf_model(name)
+    ref = tiny_hf_model(name)
     with torch.no_grad():
         ref.get_output_embeddings().weight.mul_(8.0)  # greedy choices far from rounding ties
     save_hf(ref, tmp_path / name, mtp_tensors=random_mtp_tensors(ref))

@@ -4,9 +4,10 @@ import copy
 
 import pytest
 import torch
-from tiny_models import hf_model, random_mtp_tensors, save_hf
+from tiny_models import random_mtp_tensors, save_hf
 
 import mtpkit
+from mtpkit.models.presets import tiny_hf_model
 
 
 def zc_norm(x, w, eps=1e-6):
@@ -16,7 +17,7 @@ def zc_norm(x, w, eps=1e-6):
 @pytest.fixture(scope="module")
 def released(tmp_path_factory):
     """A synthetic Qwen3.5 VLM-layout checkpoint with mtp.* tensors under the released names."""
-    ref = hf_model("qwen3_5_vlm")
+    ref = tiny_hf_model("qwen3_5_vlm")
     mtp = random_mtp_tensors(ref)
     path = tmp_path_factory.mktemp("q35_mtp")
     save_hf(ref, path, mtp_tensors=mtp)
@@ -100,7 +101,7 @@ def test_chained_depths_feed_post_norm_output(released):
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5_moe"])
 @pytest.mark.parametrize("init", ["random", "last_layer"])
 def test_add_mtp(tmp_path, family, init):
-    save_hf(hf_model(family), tmp_path)
+    save_hf(tiny_hf_model(family), tmp_path)
     model = mtpkit.load_model(tmp_path)
     ids = torch.randint(0, 240, (2, 10))
     with torch.no_grad():

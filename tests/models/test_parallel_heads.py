@@ -4,11 +4,11 @@ objective, MTP-only trains the heads alone, and the heads' cached outputs over n
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import hf_model
 
 import mtpkit
 from mtpkit.decode.cache import Cache
 from mtpkit.models.parallel_heads import add_parallel_heads, head_outputs
+from mtpkit.models.presets import tiny_hf_model
 from mtpkit.models.transformer import segment_positions
 from mtpkit.train.config import MTPSection
 from mtpkit.train.loss import freeze_trunk, shift_labels
@@ -21,7 +21,7 @@ WEIGHTS = [0.5, 0.3, 0.2]
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    raw = dict(hf_model("qwen3_5").config.to_dict(), mtp_num_hidden_layers=0, mtp_parallel_heads=3)
+    raw = dict(tiny_hf_model("qwen3_5").config.to_dict(), mtp_num_hidden_layers=0, mtp_parallel_heads=3)
     return mtpkit.build_model(raw)  # hybrid trunk and 3 heads
 
 
@@ -108,7 +108,7 @@ def test_mtp_only_trains_the_heads_alone_and_counts_normalise(model):
 def test_head_count_and_init(model):
     with pytest.raises(ValueError, match="3 parallel heads"):
         parallel_heads_loss(model, packed_batch(), MTPSection(depth=4, weights=[0.25] * 4))
-    copy = mtpkit.build_model(dict(hf_model("llama").config.to_dict()))
+    copy = mtpkit.build_model(dict(tiny_hf_model("llama").config.to_dict()))
     add_parallel_heads(copy, 2, "last_layer")
     last = copy.model.layers[-1].state_dict()
     for layer in copy.mtp_heads.layers:

@@ -2,14 +2,15 @@
 
 import pytest
 import torch
-from tiny_models import FAMILIES, hf_model, save_hf
+from tiny_models import save_hf
 
 import mtpkit
+from mtpkit.models.presets import TINY_FAMILIES, tiny_hf_model
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=TINY_FAMILIES)
 def pair(request, tmp_path_factory):
-    ref = hf_model(request.param)
+    ref = tiny_hf_model(request.param)
     path = tmp_path_factory.mktemp(request.param)
     save_hf(ref, path)
     return ref, mtpkit.load_model(path)

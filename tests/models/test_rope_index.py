@@ -3,11 +3,11 @@ its decode-time positions; packed documents restart; mismatched grids are clear 
 
 import pytest
 import torch
-from tiny_models import VLM_TOKENS, hf_vlm_model, vlm_prompt
 
+from mtpkit.models.presets import VISION_TOKENS, tiny_hf_model, vlm_prompt
 from mtpkit.models.rope_index import decode_positions, mm_token_types, rope_index
 
-IMG, VID = VLM_TOKENS["image_token_id"], VLM_TOKENS["video_token_id"]
+IMG, VID = VISION_TOKENS["image_token_id"], VISION_TOKENS["video_token_id"]
 CASES = {
     "image": [2, ("image", 1, 4, 6), 3],
     "images": [1, ("image", 1, 4, 6), 2, ("image", 1, 6, 4), ("image", 1, 2, 2), 1],
@@ -19,7 +19,7 @@ CASES = {
 
 @pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_5_vlm"])
 def hf(request):
-    return hf_vlm_model(request.param).model
+    return tiny_hf_model(request.param).model
 
 
 def _ours(inputs, **kw):

@@ -3,10 +3,11 @@ the processor glue, and one clear ValueError for each bad input."""
 
 import pytest
 import torch
-from tiny_models import VLM_TOKENS, hf_model, hf_vlm_model, save_hf, vlm_prompt
+from tiny_models import save_hf
 
 import mtpkit
 from mtpkit.models.multimodal import image_inputs, load_processor
+from mtpkit.models.presets import VISION_TOKENS, tiny_hf_model, vlm_prompt
 from mtpkit.models.vision import VisionModel, vision_config_from_hf
 
 # grids smaller than, equal to and larger than the 4x4 learned table; non-square; a 3-frame video
@@ -15,7 +16,7 @@ GRIDS = [[1, 4, 6], [1, 2, 2], [3, 4, 4], [1, 8, 2], [2, 6, 6]]
 
 @pytest.fixture(scope="module", params=["qwen3_vl_moe", "qwen3_5_vlm"])
 def towers(request):
-    ref = hf_vlm_model(request.param)
+    ref = tiny_hf_model(request.param)
     ours = VisionModel(vision_config_from_hf(ref.config.to_dict()))
     prefix = "model.visual."
     ours.load_state_dict({k[len(prefix):]: v for k, v in ref.state_dict().items() if k.startswith(prefix)})
@@ -39,7 +40,7 @@ def test_tower_matches_transformers(towers):
 @pytest.fixture(scope="module")
 def vlm_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3_vl")
-    save_hf(hf_vlm_model("qwen3_vl"), path)
+    save_hf(tiny_hf_model("qwen3_vl"), path)
     return path
 
 
@@ -61,7 +62,7 @@ def test_grid_that_does_not_match_the_pixels(vlm):
 
 
 def test_image_on_a_text_only_model(tmp_path, vlm_dir):
-    save_hf(hf_model("qwen3"), tmp_path)
+    save_hf(tiny_hf_model("qwen3"), tmp_path)
     with pytest.raises(ValueError, match="'qwen3' is a text-only model .*: load it without vision=True"):
         mtpkit.load_model(tmp_path, vision=True)
     text = mtpkit.load_model(vlm_dir)  # a VLM checkpoint loaded as its text model
@@ -109,8 +110,8 @@ def test_image_prompt_through_the_checkpoint_processor(vlm, tmp_path):
     assert inputs["image_grid_thw"].tolist() == [[1, 6, 4]]  # 24 x 16 pixels in 4-pixel patches
     assert inputs["pixel_values"].shape == (24, 96)
     ids = inputs["input_ids"][0].tolist()
-    assert ids == [VLM_TOKENS["vision_start_token_id"]] + [VLM_TOKENS["image_token_id"]] * 6 + [
-        VLM_TOKENS["vision_end_token_id"], 1, 2, 3]
+    assert ids == [VISION_TOKENS["vision_start_token_id"]] + [VISION_TOKENS["image_token_id"]] * 6 + [
+        VISION_TOKENS["vision_end_token_id"], 1, 2, 3]
     with torch.no_grad():
         out = vlm(**inputs, mtp=False)
     assert out.logits.shape == (1, len(ids), 256) and torch.isfinite(out.logits).all()

@@ -7,20 +7,21 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import VLM_FAMILIES, hf_vlm_model, random_mtp_tensors, save_hf, vlm_prompt
+from tiny_models import random_mtp_tensors, save_hf
 
 import mtpkit
 from mtpkit.decode.cache import Cache
+from mtpkit.models.presets import TINY_VLM_FAMILIES, tiny_hf_model, vlm_prompt
 from mtpkit.models.rope_index import decode_positions, mm_token_types
 from mtpkit.models.vlm import VisionLanguageModel, image_token_mask
 
 PROMPT = [3, ("image", 1, 4, 6), 2, ("image", 1, 6, 4), 4, ("video", 2, 4, 4), 2]
 
 
-@pytest.fixture(scope="module", params=VLM_FAMILIES)
+@pytest.fixture(scope="module", params=TINY_VLM_FAMILIES)
 def pair(request, tmp_path_factory):
     """(HF model, its checkpoint dir with released-layout mtp.* added, mtpkit's VisionLanguageModel)."""
-    ref = hf_vlm_model(request.param)
+    ref = tiny_hf_model(request.param)
     path = tmp_path_factory.mktemp(request.param)
     save_hf(ref, path, mtp_tensors=random_mtp_tensors(ref))
     return ref, path, mtpkit.load_model(path, vision=True)
@@ -65,7 +66,7 @@ def test_round_trip_is_byte_exact(pair, tmp_path):
 
 def test_transposed_moe_experts_as_released(tmp_path):
     """Released Qwen3-VL-MoE checkpoints store experts [E, H, 2I] / [E, I, H]: same model, same layout saved."""
-    ref = hf_vlm_model("qwen3_vl_moe").to(torch.bfloat16)
+    ref = tiny_hf_model("qwen3_vl_moe").to(torch.bfloat16)
     save_hf(ref, tmp_path / "hf")
     sd = load_file(tmp_path / "hf" / "model.safetensors")
     released = {k: v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v

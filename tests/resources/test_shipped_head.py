@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mtpkit
-from mtpkit.bench.speedup import DEFAULT_HEAD, resource
+from mtpkit.resources import DEFAULT_HEAD, resource
 from mtpkit.checkpoint.mtp_head import load_mtp_head
 from mtpkit.tokenizer import encode_prompt, load_tokenizer
 from mtpkit.assets import cache_dir

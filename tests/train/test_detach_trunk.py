@@ -3,16 +3,16 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import hf_model
 
 import mtpkit
+from mtpkit.models.presets import tiny_hf_model
 from mtpkit.train.config import ConfigKeyError, MTPSection, load_config
 from mtpkit.train.loss import IGNORE, compute_loss, shift_labels
 
 
 def _model(family: str):
     """Qwen3.5 hybrid (GDN + attention, untied lm_head) or Llama with tied embeddings, each with 2 MTP layers."""
-    raw = hf_model("qwen3_5" if family == "qwen3_5" else "llama").config.to_dict()
+    raw = tiny_hf_model("qwen3_5" if family == "qwen3_5" else "llama").config.to_dict()
     if family == "llama_tied":
         raw["tie_word_embeddings"] = True
     torch.manual_seed(0)

@@ -87,14 +87,14 @@ def test_vlm_checkpoint_trains_a_new_head_and_exports_in_its_layout(tmp_path):
     """A Qwen3.5 VLM-layout checkpoint without MTP: train a new head (MTP-only), export: the text model keeps the
     model.language_model.* names, the vision tower is written back untouched, the head is mtp.*."""
     import transformers as tf
-    from tiny_models import _HYBRID, _VISION, _hybrid_rope
+    from mtpkit.models.presets import TINY_HYBRID, TINY_VISION, hybrid_rope
 
-    text = dict(_HYBRID, vocab_size=320, hidden_size=32, num_hidden_layers=2, head_dim=32, intermediate_size=64,
+    text = dict(TINY_HYBRID, vocab_size=320, hidden_size=32, num_hidden_layers=2, head_dim=32, intermediate_size=64,
                 layer_types=["linear_attention", "full_attention"],
-                rope_parameters=_hybrid_rope())
+                rope_parameters=hybrid_rope())
     torch.manual_seed(0)
     hf = tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(
-        text_config=text, vision_config=dict(_VISION, out_hidden_size=32), image_token_id=300, video_token_id=301,
+        text_config=text, vision_config=dict(TINY_VISION, out_hidden_size=32), image_token_id=300, video_token_id=301,
         vision_start_token_id=302, vision_end_token_id=303))
     hf.save_pretrained(tmp_path / "vlm")
     raw = tiny_raw_config(tmp_path, train={"steps": 2}, mtp={"depth": 1, "init": "last_layer", "only": True})

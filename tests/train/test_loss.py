@@ -6,9 +6,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import hf_model
 
 import mtpkit
+from mtpkit.models.presets import tiny_hf_model
 from mtpkit.train.config import MTPSection
 from mtpkit.train.loss import (
     IGNORE,
@@ -70,7 +70,7 @@ def test_a_reused_segment_id_still_separates_documents():
 
 @pytest.fixture(scope="module")
 def model():
-    m = mtpkit.build_model(hf_model("qwen3_5").config.to_dict())  # hybrid: GDN + attention layers
+    m = mtpkit.build_model(tiny_hf_model("qwen3_5").config.to_dict())  # hybrid: GDN + attention layers
     return mtpkit.add_mtp(m, depth=2)
 
 
@@ -170,7 +170,7 @@ def test_evaluation_under_no_grad(model):
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3"])  # untied and tied lm_head
 def test_mtp_only_trains_the_head_alone(family):
-    model = mtpkit.add_mtp(mtpkit.build_model(hf_model(family).config.to_dict()), depth=1)
+    model = mtpkit.add_mtp(mtpkit.build_model(tiny_hf_model(family).config.to_dict()), depth=1)
     batch = make_batch(True)
     cfg = MTPSection(only=True, depth=2, ce_chunk_tokens=16)
     full = compute_loss(model, batch, MTPSection(depth=2, ce_chunk_tokens=16))
@@ -198,7 +198,7 @@ def test_mtp_only_trains_the_head_alone(family):
 
 
 def test_mtp_only_without_a_head_is_a_clear_error():
-    model = mtpkit.build_model(hf_model("qwen3").config.to_dict())
+    model = mtpkit.build_model(tiny_hf_model("qwen3").config.to_dict())
     with pytest.raises(ValueError, match="add_mtp"):
         compute_loss(model, make_batch(False), MTPSection(only=True))
 

@@ -1,11 +1,10 @@
-"""What every section of the GPU check shares: the time budget, guarded steps, error measures, timing, the
-device's peaks, and the record of the run."""
+"""What every section of the GPU check shares: the time budget, guarded steps, error measures, the device's peaks,
+and the record of the run (timing: bench/timing.py)."""
 
 from __future__ import annotations
 
 import gc
 import importlib.metadata
-import statistics
 import time
 import traceback
 
@@ -69,28 +68,6 @@ def rel_rms(got: torch.Tensor, ref: torch.Tensor) -> float:
     """||got - ref|| / ||ref|| (flash-linear-attention's own tests use this ratio for its kernels)."""
     ref = ref.detach().double()
     return float((got.detach().double() - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_seconds(fn, device: torch.device, repeats: int, warmup: int = 1, before=None) -> float:
-    """Median wall time of fn() over `repeats` calls, the device synchronised around each, each after an untimed
-    `before()` if given."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if before is not None:
-            before()
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def peak_bandwidth(device: torch.device, override_tbs: float = 0.0) -> float | None:

@@ -11,10 +11,11 @@ import torch
 from ...checkpoint.hf import load_model
 from ...decode.generate import generate
 from ...models.mtp import add_mtp
+from ...models.presets import VISION_TOKENS, tiny_hf_model, vlm_prompt
 from ...models.rope_index import mm_token_types
 from . import kernels
 from .common import Budget, free_memory, guarded, quiet_transformers, rel_max, skipped
-from .models import FAMILIES, VL_TOKENS, hf_family_model, vl_prompt
+from .models import FAMILIES
 
 # max |mtpkit - transformers| / max |transformers| allowed. fp32: transformers runs its Gated DeltaNet through
 # flash-linear-attention when installed, whose Triton matmuls round fp32 inputs to TF32 (unit roundoff 5e-4);
@@ -26,15 +27,15 @@ PACKED_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
 
 def _inputs(family: str, device, T: int) -> dict:
     if family == "qwen3_vl":
-        return {k: v.to(device) for k, v in vl_prompt().items()}
+        return {k: v.to(device) for k, v in vlm_prompt([5, ("image", 1, 4, 6), 7]).items()}
     return {"input_ids": torch.randint(0, 240, (2, T), generator=torch.Generator().manual_seed(T)).to(device)}
 
 
 def _hf_logits(hf, family: str, inputs: dict) -> torch.Tensor:
     extra = {}
     if family == "qwen3_vl":
-        extra["mm_token_type_ids"] = mm_token_types(inputs["input_ids"], VL_TOKENS["image_token_id"],
-                                                    VL_TOKENS["video_token_id"])
+        extra["mm_token_type_ids"] = mm_token_types(inputs["input_ids"], VISION_TOKENS["image_token_id"],
+                                                    VISION_TOKENS["video_token_id"])
     return hf(**inputs, **extra).logits
 
 
@@ -109,7 +110,8 @@ def run(device: torch.device, tiny: bool, budget: Budget, until: float) -> dict:
                 skipped(records, f"logits {family}", "time budget")
                 continue
             path = f"{tmp}/{family}"
-            ref = hf_family_model(family)
+            # Gated DeltaNet heads of 32 dims: within what flash-linear-attention's Triton kernels tile
+            ref = tiny_hf_model(family, gdn_head_dim=32, max_positions=1024)
             hf_cls = type(ref)
             ref.save_pretrained(path)
             del ref

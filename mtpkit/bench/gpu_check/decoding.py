@@ -16,8 +16,8 @@ from ...checkpoint.hf import build_model
 from ...decode.cache import Cache
 from ...decode.generate import generate
 from ...models.mtp import is_mtp_param
-from .common import (Budget, free_memory, guarded, median_seconds, peak_bandwidth, quiet_transformers, rel_max, skipped,
-                     sync)
+from ..timing import median_seconds, sync
+from .common import Budget, free_memory, guarded, peak_bandwidth, quiet_transformers, rel_max, skipped
 from .correctness import first_divergence
 from .models import hf_twin, qwen35_shapes
 

@@ -29,7 +29,8 @@ from ...train.config import MTPSection, OptimSection, ParallelSection
 from ...train.flops import flops_per_token, peak_flops
 from ...train.loss import compute_loss, loss_targets, shift_labels
 from ...train.optim import build_optimizer
-from .common import free_memory, guarded, skipped, sync
+from ..timing import sync
+from .common import free_memory, guarded, skipped
 
 
 def _batch(vocab: int, seq: int, rank: int, device) -> dict:

@@ -2,6 +2,7 @@
 fastest, routing applies only inside generate, and bf16 decoding is exact against a bf16 full forward."""
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,13 +31,14 @@ def test_every_candidate_computes_f_linear(dtype):
 def test_router_keeps_the_candidate_it_measured_fastest(monkeypatch):
     fast = ("wxt", 4)
     real = routing.thin_product
+    clock = [0.0]  # the router's timer reads this clock, so other load on the machine cannot reorder the candidates
 
-    def slowed(x2, weight, how):  # every other candidate made 0.5 ms slower
-        if how != fast:
-            time.sleep(5e-4)
+    def slowed(x2, weight, how):  # every other candidate takes 0.5 ms more on that clock
+        clock[0] += 1e-4 if how == fast else 6e-4
         return real(x2, weight, how)
 
     monkeypatch.setattr(routing, "thin_product", slowed)
+    monkeypatch.setattr(routing, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     weights = [torch.randn(96, 32), torch.randn(32, 96), torch.randn(500, 32)]
     router = routing.MatmulRouter(lambda: weights, repeats=2)
     with torch.inference_mode():
@@ -47,6 +49,7 @@ def test_router_keeps_the_candidate_it_measured_fastest(monkeypatch):
     assert {row["rows"] for row in router.table()} == {1, 2, 3} and len(router.table()) == 9
     # power: without the slowdown the choice is whatever this machine measures, not forced to wxt@4
     monkeypatch.setattr(routing, "thin_product", real)
+    monkeypatch.setattr(routing, "time", time)
     free = routing.MatmulRouter(lambda: weights, repeats=2)
     with torch.inference_mode():
         free(torch.randn(1, 32), weights[0])

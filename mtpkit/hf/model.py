@@ -1,0 +1,187 @@
+"""`MTPModel`: a transformers causal LM (or a PEFT model around one) with mtpkit's MTP module beside it, whose
+forward returns mtpkit's training objective as `loss`."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from transformers.utils import ModelOutput
+
+from ..models.mtp import MTP, teacher_forced
+from ..train.config import MTPSection
+from ..train.loss import freeze_trunk, loss_targets, score, shift_labels
+from .batch import segment_ids
+from .heads import load_head, new_head, trunk_config
+
+
+@dataclass
+class MTPOutput(ModelOutput):
+    """The objective of one batch and, per head (main first, then MTP depths 1..n), what the logs sum."""
+
+    loss: Tensor | None = None
+    head_ce: Tensor | None = None  # [1 + n] CE sums (main: NaN when MTP-only training skips it)
+    head_correct: Tensor | None = None  # [1 + n] teacher-forced top-1 hits
+    head_count: Tensor | None = None  # [1 + n] valid targets
+
+
+def _is_peft(module) -> bool:
+    return hasattr(module, "get_base_model") and hasattr(module, "peft_config")
+
+
+class MTPModel(nn.Module):
+    """`model` (a transformers causal LM, vision-language model or PEFT model around one) and `mtp` (mtpkit's MTP,
+    or a PEFT model around it) trained with mtpkit's loss `loss`.
+
+    forward(..., labels=...) runs the transformers trunk once and returns MTPOutput: main CE + sum_d w_d CE_d over
+    the trunk's own embeddings, post-norm hidden states and lm_head (no second copy of any). Without labels it is
+    the transformers model's own forward (logits, generation)."""
+
+    accepts_loss_kwargs = True  # Trainer then passes num_items_in_batch, the global count the loss divides by
+    step = 0  # the optimizer step, for a lambda schedule or depth curriculum (set by MTPTrainerMixin)
+
+    def __init__(self, model: nn.Module, mtp: nn.Module, loss: MTPSection):
+        super().__init__()
+        self.model = model
+        self.mtp = mtp
+        self.loss_config = loss
+        self.trunk_config = trunk_config(self.hf_model)  # mtpkit's view of the trunk: its rotary tables
+        if loss.only:
+            freeze_trunk(self)
+
+    @property
+    def hf_model(self) -> nn.Module:
+        """The transformers model (inside the PEFT model, if any)."""
+        return self.model.get_base_model() if _is_peft(self.model) else self.model
+
+    @property
+    def head(self) -> MTP:
+        """The MTP module itself (inside the PEFT model of a LoRA-trained head)."""
+        return self.mtp.get_base_model() if _is_peft(self.mtp) else self.mtp
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.hf_model.get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.hf_model.get_output_embeddings()
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+
+    def generate(self, *args, **kwargs):
+        return self.model.generate(*args, **kwargs)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, num_items_in_batch=None,
+                **kwargs):
+        """input_ids, attention_mask, position_ids [B, T] and labels [B, T] as transformers takes them (labels
+        unshifted, -100 where not trained); other keyword arguments (pixel_values, image_grid_thw) go to the
+        trunk. num_items_in_batch: the global count of main targets that Trainer divides by."""
+        if labels is None:
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        for key in ("use_cache", "return_dict", "output_attentions", "output_hidden_states", "logits_to_keep"):
+            kwargs.pop(key, None)  # set by trainers for the full model's forward; the trunk's are fixed here
+        cfg = self.loss_config
+        seg = segment_ids(attention_mask, position_ids)
+        targets = loss_targets({"labels": shift_labels(labels, seg), "segment_ids": seg}, cfg, self.step)
+        n = len(targets.weights)
+        with torch.no_grad() if cfg.only else contextlib.nullcontext():  # MTP-only: the trunk is a fixed feature map
+            embeds, hidden, positions = self._trunk(input_ids, attention_mask, position_ids, kwargs)
+        # detach_trunk / MTP-only: the MTP reads the trunk's outputs as constants; the main CE still reads `hidden`
+        detached = cfg.only or cfg.detach_trunk
+        mtp_hidden = teacher_forced(self.mtp, self.trunk_config, embeds.detach() if detached else embeds,
+                                    hidden.detach() if detached else hidden, positions, seg, n)
+        counts = None if num_items_in_batch is None else [int(num_items_in_batch)] * (n + 1)
+        out = score(hidden, mtp_hidden, self.get_output_embeddings().weight, self.head.draft_vocab if n else None,
+                    {}, cfg, targets, counts, with_main=not cfg.only)
+        return MTPOutput(out.total, torch.tensor(out.ce), torch.tensor(out.correct), torch.tensor(out.counts))
+
+    def _trunk(self, input_ids, attention_mask, position_ids, kwargs) -> tuple[Tensor, Tensor, Tensor]:
+        """The transformers trunk over a batch: the embeddings its decoder layers read [B, T, H] (vision
+        embeddings at image tokens), its post-norm hidden [B, T, H] and its positions ([B, T], or MRoPE [3, B, T]).
+
+        A forward pre-hook on the language decoder reads its inputs_embeds and position_ids (computing the
+        embeddings there when the decoder was given token ids, so they are computed once); it is removed after."""
+        hf = self.hf_model
+        decoder = hf.get_decoder()
+        seen = {}
+
+        def read_inputs(module, args, kw):
+            if kw.get("inputs_embeds") is None:
+                kw = {**kw, "input_ids": None, "inputs_embeds": module.get_input_embeddings()(kw["input_ids"])}
+            seen.update(kw)
+            return args, kw
+
+        handle = decoder.register_forward_pre_hook(read_inputs, with_kwargs=True)
+        try:
+            out = hf.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=False, **kwargs)
+        finally:
+            handle.remove()
+        embeds, positions = seen["inputs_embeds"], seen.get("position_ids")
+        if positions is None:  # what the decoder does without them: 0.. per row
+            positions = torch.arange(embeds.shape[1], device=embeds.device).expand(embeds.shape[:2])
+        elif positions.dim() == 3 and positions.shape[0] == 4:  # Qwen3.5: text positions, then the MRoPE rows
+            positions = positions[1:]
+        return embeds, out.last_hidden_state, positions
+
+    def merged(self) -> MTPModel:
+        """This model with every LoRA adapter merged into its weights (trunk and head), as plain modules. The
+        trunk's adapters are merged in place (PEFT's merge_and_unload); the head's into a copy."""
+        model = self.model.merge_and_unload() if _is_peft(self.model) else self.model
+        return MTPModel(model, self.plain_head(), self.loss_config)
+
+    def plain_head(self) -> MTP:
+        """The MTP module as it serves: a LoRA-trained head merged into a copy (training goes on unchanged)."""
+        return copy.deepcopy(self.mtp).merge_and_unload() if _is_peft(self.mtp) else self.mtp
+
+    def save_pretrained(self, save_directory, **kwargs) -> Path:
+        """transformers' save (the full model, or a PEFT model's adapter) and the head beside it (see save.py)."""
+        from .save import save_with_head
+
+        return save_with_head(self, save_directory, **kwargs)
+
+
+def with_mtp(model: nn.Module, head=None, *, init: str | None = None, layers: int = 1, head_lora=None,
+             **loss) -> MTPModel:
+    """`model` (a transformers model, or a PEFT model around one) with an MTP module, for training under
+    transformers' Trainer or TRL (through `MTPTrainerMixin`).
+
+    The head: `head` = an HF model directory holding `mtp.*` (a Qwen3.5 / Qwen3-Next release) or an mtpkit head
+    file; by default the directory `model` was loaded from (a Hub id is fetched). Or a new `layers`-layer head with
+    init="random" or "last_layer" (every layer a copy of the trunk's last full-attention layer). It is built in
+    the dtype and on the device of `model`'s embedding. `head_lora`: a peft LoraConfig to train the head through
+    LoRA (default: fully). `loss`: mtpkit's [mtp] options (train.config.MTPSection): depth (default: the head's
+    layers), mtp_lambda, weights, lambda_schedule, depth_curriculum, only, detach_trunk, ce_chunk_tokens."""
+    hf = model.get_base_model() if _is_peft(model) else model
+    config = trunk_config(hf)
+    if init is not None:
+        if head is not None:
+            raise ValueError("pass either a head to load or init= for a new one, not both")
+        mtp = new_head(hf, config, layers, init)
+    else:
+        mtp = load_head(_local(head or hf.config.name_or_path), config)
+    ref = hf.get_input_embeddings().weight
+    mtp.to(device=ref.device, dtype=ref.dtype)
+    if head_lora is not None:
+        from peft import get_peft_model
+
+        mtp = get_peft_model(mtp, head_lora)
+    return MTPModel(model, mtp, MTPSection(**{"depth": len(mtp.layers), **loss}))
+
+
+def _local(source) -> Path:
+    """A local path for a head source: as given, or a Hub model's snapshot (its weights and config)."""
+    path = Path(source)
+    if path.exists() or not str(source).strip():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(str(source), allow_patterns=["*.safetensors", "*.json"]))

@@ -63,9 +63,14 @@ class MTPModel(nn.Module):
         """The MTP module itself (inside the PEFT model of a LoRA-trained head)."""
         return self.mtp.get_base_model() if _is_peft(self.mtp) else self.mtp
 
+    # what trainers read or set on their model, answered by the transformers model
     @property
     def config(self):
-        return self.model.config
+        return self.hf_model.config
+
+    @property
+    def generation_config(self):
+        return self.hf_model.generation_config
 
     def get_input_embeddings(self) -> nn.Module:
         return self.hf_model.get_input_embeddings()
@@ -73,8 +78,14 @@ class MTPModel(nn.Module):
     def get_output_embeddings(self) -> nn.Module:
         return self.hf_model.get_output_embeddings()
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
-        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+    def gradient_checkpointing_enable(self, **kwargs):  # the trunk's layers; the head's one layer is not
+        self.model.gradient_checkpointing_enable(**kwargs)
+
+    def enable_input_require_grads(self):
+        self.hf_model.enable_input_require_grads()
+
+    def add_model_tags(self, tags):
+        self.hf_model.add_model_tags(tags)
 
     def generate(self, *args, **kwargs):
         return self.model.generate(*args, **kwargs)

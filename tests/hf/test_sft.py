@@ -37,16 +37,17 @@ def dataset():
     return datasets.Dataset.from_dict({"text": [" ".join(f"t{s + i}" for i in range(20)) for s in starts]})
 
 
-def train(base, out, model, **args):
-    config = trl.SFTConfig(output_dir=str(out), max_steps=24, per_device_train_batch_size=8, learning_rate=3e-3,
-                           logging_steps=4, save_steps=24, report_to=[], use_cpu=True, max_length=32,
-                           dataset_text_field="text", disable_tqdm=True, **args)
+def train(base, out, model, fall: float, **args):
+    """`fall`: the least the MTP CE must drop from the first logged steps to the last."""
+    config = trl.SFTConfig(output_dir=str(out), max_steps=12, per_device_train_batch_size=8, logging_steps=3,
+                           save_steps=12, report_to=[], use_cpu=True, max_length=32, dataset_text_field="text",
+                           disable_tqdm=True, gradient_checkpointing=False, **args)
     tok = tf.AutoTokenizer.from_pretrained(base)
     trainer = MTPSFTTrainer(model=model, args=config, train_dataset=dataset(), processing_class=tok)
     trainer.train()
     trainer.save_model(str(out))
     logs = [h for h in trainer.state.log_history if "mtp_ce_1" in h]
-    assert logs[-1]["mtp_ce_1"] < logs[0]["mtp_ce_1"] - 0.5, logs  # the MTP loss falls
+    assert logs[-1]["mtp_ce_1"] < logs[0]["mtp_ce_1"] - fall, logs
     assert {"main_ce", "mtp_acc_1", "mtp_tau"} <= set(logs[-1])
     return trainer
 
@@ -68,8 +69,8 @@ def assert_serves(out, head: torch.nn.Module):
 
 def test_full_fine_tune(base, tmp_path):
     model = with_mtp(tf.AutoModelForCausalLM.from_pretrained(base), mtp_lambda=0.5)
-    train(base, tmp_path, model)
-    assert (tmp_path / "checkpoint-24" / "mtp.safetensors").is_file()  # the checkpoints carry the head too
+    train(base, tmp_path, model, fall=0.5, learning_rate=3e-3)
+    assert (tmp_path / "checkpoint-12" / "mtp.safetensors").is_file()  # the checkpoints carry the head too
     assert_serves(tmp_path, model.mtp)
 
 
@@ -81,7 +82,7 @@ def test_lora(base, tmp_path, head_lora):
     hf = tf.AutoModelForCausalLM.from_pretrained(base)
     frozen = {n: p.clone() for n, p in hf.named_parameters()}
     model = with_mtp(get_peft_model(hf, TRUNK_LORA), mtp_lambda=0.5, head_lora=head_lora)
-    train(base, tmp_path / "run", model)
+    train(base, tmp_path / "run", model, fall=0.1, learning_rate=1e-2)
     assert (tmp_path / "run" / "adapter_model.safetensors").is_file()
     assert (tmp_path / "run" / "mtp.safetensors").is_file()
     for n, p in model.hf_model.named_parameters():  # the trunk moved only through its adapters

@@ -178,7 +178,11 @@ def with_mtp(model: nn.Module, head=None, *, init: str | None = None, layers: in
             raise ValueError("pass either a head to load or init= for a new one, not both")
         mtp = new_head(hf, config, layers, init)
     else:
-        mtp = load_head(_local(head or hf.config.name_or_path), config)
+        source = head or hf.config.name_or_path
+        if not str(source):
+            raise ValueError("this model was not loaded from a checkpoint: pass head= (a directory with mtp.* or a "
+                             "head file) or init='random' / 'last_layer'")
+        mtp = load_head(_local(source), config)
     ref = hf.get_input_embeddings().weight
     mtp.to(device=ref.device, dtype=ref.dtype)
     if head_lora is not None:
@@ -191,7 +195,7 @@ def with_mtp(model: nn.Module, head=None, *, init: str | None = None, layers: in
 def _local(source) -> Path:
     """A local path for a head source: as given, or a Hub model's snapshot (its weights and config)."""
     path = Path(source)
-    if path.exists() or not str(source).strip():
+    if path.exists():
         return path
     from huggingface_hub import snapshot_download
 

@@ -4,7 +4,7 @@ misplaced mask or shift."""
 
 import pytest
 import torch
-from tiny_models import hf_model, random_mtp_tensors, save_hf
+from tiny_models import hf_model, random_mtp_tensors, save_hf, vlm_prompt
 
 import mtpkit
 from mtpkit.hf import with_mtp
@@ -150,3 +150,20 @@ def test_without_labels_it_is_the_transformers_model(pair):
         a = wrapped(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         b = ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     assert torch.equal(a, b)
+
+
+def test_image_batch_matches_mtpkit(tmp_path):
+    """Qwen3-VL with an image: the MTP reads the vision embeddings at image tokens and the MRoPE positions the
+    transformers model computed, as mtpkit's VisionLanguageModel does."""
+    ref = hf_model("qwen3_vl")
+    save_hf(ref, tmp_path, mtp_tensors=random_mtp_tensors(ref))
+    own = mtpkit.load_model(tmp_path, vision=True)
+    prompt = vlm_prompt([5, ("image", 1, 4, 4), 9])
+    prompt["mm_token_type_ids"] = (prompt["input_ids"] == 250).long()  # as the processor marks image tokens
+    labels = prompt["input_ids"].masked_fill(prompt["input_ids"] >= 250, -100)  # no vision token is a target
+    wrapped = with_mtp(ref, head=tmp_path, depth=2, mtp_lambda=0.3)
+    out = wrapped(**prompt, labels=labels)
+    out.loss.backward()
+    theirs = compute_loss(own, {**prompt, "labels": shift_labels(labels)}, MTPSection(depth=2, mtp_lambda=0.3))
+    theirs.total.backward()
+    assert_parity(out, theirs, (wrapped.mtp.fc.weight.grad - own.mtp.fc.weight.grad).abs().max().item())

@@ -19,7 +19,7 @@ TOL = 1e-5
 ATTENTION_ONLY = {"qwen3_vl", "llama"}
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_vl", "llama"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_vl", "llama"])
 def pair(request, tmp_path_factory):
     """(transformers model with its mtp.* head wrapped, mtpkit's model of the same checkpoint, family)."""
     ref = hf_model(request.param).train()  # eval() and train() differ in nothing these tiny models use

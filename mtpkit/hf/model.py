@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 from transformers.utils import ModelOutput
+from transformers.utils.import_utils import is_flash_linear_attention_available
 
 from ..models.mtp import MTP, teacher_forced
 from ..train.config import MTPSection
@@ -43,6 +45,7 @@ class MTPModel(nn.Module):
 
     accepts_loss_kwargs = True  # Trainer then passes num_items_in_batch, the global count the loss divides by
     step = 0  # the optimizer step, for a lambda schedule or depth curriculum (set by MTPTrainerMixin)
+    _packing_warned = False
 
     def __init__(self, model: nn.Module, mtp: nn.Module, loss: MTPSection):
         super().__init__()
@@ -101,6 +104,8 @@ class MTPModel(nn.Module):
             kwargs.pop(key, None)  # set by trainers for the full model's forward; the trunk's are fixed here
         cfg = self.loss_config
         seg = segment_ids(attention_mask, position_ids)
+        if seg is not None and position_ids is not None:
+            self._check_packing(input_ids.device)
         targets = loss_targets({"labels": shift_labels(labels, seg), "segment_ids": seg}, cfg, self.step)
         n = len(targets.weights)
         with torch.no_grad() if cfg.only else contextlib.nullcontext():  # MTP-only: the trunk is a fixed feature map
@@ -113,6 +118,18 @@ class MTPModel(nn.Module):
         out = score(hidden, mtp_hidden, self.get_output_embeddings().weight, self.head.draft_vocab if n else None,
                     {}, cfg, targets, counts, with_main=not cfg.only)
         return MTPOutput(out.total, torch.tensor(out.ce), torch.tensor(out.correct), torch.tensor(out.counts))
+
+    def _check_packing(self, device) -> None:
+        """Warn once when packed documents meet Gated DeltaNet layers that transformers runs without its
+        flash-linear-attention kernels: the torch fallback ignores cu_seq_lens, so the trunk's linear-attention
+        layers (and so the main and MTP inputs) see across documents; the loss still masks every boundary."""
+        if self._packing_warned or "linear_attention" not in self.trunk_config.layer_types:
+            return
+        if device.type != "cuda" or not is_flash_linear_attention_available():
+            warnings.warn("packed documents on a Gated DeltaNet trunk without flash-linear-attention on a GPU: "
+                          "transformers' linear-attention layers read across the documents; train unpacked "
+                          "(packing=False, padding_free=False) or with flash-linear-attention", stacklevel=3)
+            self._packing_warned = True
 
     def _trunk(self, input_ids, attention_mask, position_ids, kwargs) -> tuple[Tensor, Tensor, Tensor]:
         """The transformers trunk over a batch: the embeddings its decoder layers read [B, T, H] (vision

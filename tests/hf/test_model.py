@@ -2,6 +2,8 @@
 CE sums and top-1 hits, and every gradient, for padded and packed batches; and that the comparison would see a
 misplaced mask or shift."""
 
+import warnings
+
 import pytest
 import torch
 from tiny_models import hf_model, random_mtp_tensors, save_hf, vlm_prompt
@@ -105,7 +107,11 @@ def test_padded_batch_matches_mtpkit(pair, cfg):
 
 def test_packed_batch_matches_mtpkit(pair):
     cfg = MTPSection(depth=3, mtp_lambda=0.3)
-    out, theirs, diff = run_both(pair, packed_batch(), cfg, hidden_from_hf=pair[2] not in ATTENTION_ONLY)
+    hybrid = pair[2] not in ATTENTION_ONLY
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, theirs, diff = run_both(pair, packed_batch(), cfg, hidden_from_hf=hybrid)
+    assert any("Gated DeltaNet" in str(w.message) for w in caught) == hybrid  # said where transformers leaks
     assert_parity(out, theirs, diff)
     assert theirs.counts == [27, 24, 21, 18]  # documents of 12, 10, 8: their last 1 + d rows masked, none crosses
 

@@ -33,7 +33,7 @@ from mtpkit.assets import default_gguf_path  # noqa: E402
 from mtpkit.checkpoint.graft import graft  # noqa: E402
 from mtpkit.datasets.code_corpus import read_corpus  # noqa: E402
 from mtpkit.tokenizer import load_tokenizer  # noqa: E402
-from mtpkit.train.refresh import FASTMTP_WEIGHTS  # noqa: E402
+from mtpkit.refresh import FASTMTP_WEIGHTS  # noqa: E402
 
 # the evaluation sets: finetune_alignment's CPU run trimmed to minutes (training length is --steps)
 EVAL = dict(TINY, domain_prompts=16, general_prompts=16, new_tokens=64, loss_windows=8, seq_len=512, refresh_prompts=1)

@@ -1,8 +1,11 @@
 """Training a transformers model with its MTP module under transformers' Trainer, TRL's SFTTrainer and PEFT.
 
+    from mtpkit.hf import with_mtp
+    from mtpkit.hf.sft import MTPSFTTrainer                # TRL; transformers' own: mtpkit.hf.MTPTrainer
+
     model = AutoModelForCausalLM.from_pretrained(path)     # or Qwen3VLForConditionalGeneration, a PEFT model
-    model = mtpkit.hf.with_mtp(model, mtp_lambda=0.3)      # its checkpoint's mtp.* (or head=file, init="random")
-    MTPSFTTrainer(model=model, args=..., train_dataset=..., processing_class=tok).train()   # or MTPTrainer
+    model = with_mtp(model, mtp_lambda=0.3)                # its checkpoint's mtp.* (or head=file, init="random")
+    MTPSFTTrainer(model=model, args=..., train_dataset=..., processing_class=tok).train()
 
 How it fits together, without changing any transformers class:
 - `with_mtp` builds mtpkit's own MTP module (models/mtp.py) from the checkpoint's `mtp.*` tensors (transformers
@@ -20,6 +23,12 @@ How it fits together, without changing any transformers class:
   `mtp_num_hidden_layers` in config.json, the layout `mtpkit graft` writes and vLLM / SGLang serve.
 - PEFT: apply LoRA to the transformers model before `with_mtp` (the head then trains fully), and/or pass
   `head_lora=LoraConfig(...)` to train the head by LoRA; `MTPModel.merged()` merges both for a servable save.
+
+Not supported (untested or refused): DeepSpeed ZeRO-3 and FSDP (the save reads whole parameters), resuming from a
+checkpoint-* directory, LoRA through a trainer's peft_config, parallel heads (mtp_heads.*), soft (distillation) head
+loss, the MoE router's auxiliary loss (mtpkit's own loss has none either). With gradient accumulation or several
+ranks every head's CE is divided by Trainer's global count of main targets, which exceeds depth d's by the few rows
+each document loses at its end.
 """
 
 from .model import MTPModel, MTPOutput, with_mtp

@@ -27,8 +27,7 @@ How it fits together, without changing any transformers class:
 Not supported (untested or refused): DeepSpeed ZeRO-3 and FSDP (the save reads whole parameters), resuming from a
 checkpoint-* directory, LoRA through a trainer's peft_config, parallel heads (mtp_heads.*), soft (distillation) head
 loss, the MoE router's auxiliary loss (mtpkit's own loss has none either). With gradient accumulation or several
-ranks every head's CE is divided by Trainer's global count of main targets, which exceeds depth d's by the few rows
-each document loses at its end.
+ranks, depth d's global target count is estimated from Trainer's global main count and d's share of each batch.
 """
 
 from .model import MTPModel, MTPOutput, with_mtp

@@ -97,7 +97,8 @@ class MTPModel(nn.Module):
                 **kwargs):
         """input_ids, attention_mask, position_ids [B, T] and labels [B, T] as transformers takes them (labels
         unshifted, -100 where not trained); other keyword arguments (pixel_values, image_grid_thw) go to the
-        trunk. num_items_in_batch: the global count of main targets that Trainer divides by."""
+        trunk. num_items_in_batch: Trainer's global count of main targets (all micro-batches and ranks of the step);
+        depth d's CE is divided by it times d's share of this batch's targets (exactly d's count in one batch)."""
         if labels is None:
             return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
         for key in ("use_cache", "return_dict", "output_attentions", "output_hidden_states", "logits_to_keep"):
@@ -114,7 +115,10 @@ class MTPModel(nn.Module):
         detached = cfg.only or cfg.detach_trunk
         mtp_hidden = teacher_forced(self.mtp, self.trunk_config, embeds.detach() if detached else embeds,
                                     hidden.detach() if detached else hidden, positions, seg, n)
-        counts = None if num_items_in_batch is None else [int(num_items_in_batch)] * (n + 1)
+        counts = None
+        if num_items_in_batch is not None:  # Trainer's global main count; each depth's from its local share of it
+            local = targets.counts.tolist()
+            counts = [float(num_items_in_batch) * c / max(local[0], 1) for c in local]
         out = score(hidden, mtp_hidden, self.get_output_embeddings().weight, self.head.draft_vocab if n else None,
                     {}, cfg, targets, counts, with_main=not cfg.only)
         return MTPOutput(out.total, torch.tensor(out.ce), torch.tensor(out.correct), torch.tensor(out.counts))

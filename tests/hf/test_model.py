@@ -139,13 +139,17 @@ def test_a_misplaced_mask_or_shift_fails_parity(pair):
 
 
 def test_global_token_count_divides_every_head(pair):
-    """With Trainer's num_items_in_batch, each CE is its sum over that count (gradient accumulation, DDP)."""
+    """With Trainer's num_items_in_batch (gradient accumulation, DDP) the main CE is its sum over that count and
+    depth d's over that count times d's share of the batch's targets; in one batch, the loss without it."""
     ref, _, _, path = pair
     wrapped = with_mtp(ref, head=path, depth=2, mtp_lambda=0.5)
     with torch.no_grad():
-        out = wrapped(**padded_batch(), num_items_in_batch=100)
-    want = out.head_ce[0] / 100 + 0.25 * (out.head_ce[1] + out.head_ce[2]) / 100
+        alone = wrapped(**padded_batch())
+        out = wrapped(**padded_batch(), num_items_in_batch=alone.head_count[0] * 4)
+    ce, n = out.head_ce, out.head_count
+    want = ce[0] / (4 * n[0]) + 0.25 * (ce[1] / (4 * n[1]) + ce[2] / (4 * n[2]))
     assert torch.allclose(out.loss, want, atol=1e-6)
+    assert torch.allclose(wrapped(**padded_batch(), num_items_in_batch=n[0]).loss, alone.loss, atol=1e-6)
 
 
 def test_without_labels_it_is_the_transformers_model(pair):

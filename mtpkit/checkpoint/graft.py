@@ -196,6 +196,21 @@ def _copy_weights(source: _SafetensorsDir, tmp: Path) -> dict[str, str]:
     return weight_map
 
 
+def write_head(out: Path, tensors: dict[str, torch.Tensor], weight_map: dict[str, str], raw: dict, keys: dict) -> None:
+    """Into the model directory `out`, beside the shards of `weight_map` (tensor name -> file name): the head's
+    `mtp.*` tensors as HEAD_FILE, the index listing every tensor, and config.json `raw` with the head's MTP keys
+    where vLLM and SGLang read them."""
+    keys = dict(keys)
+    if text_config_dict(raw)[0].get("model_type") == "qwen3_next":  # the key vLLM and SGLang read for it
+        keys.setdefault("num_nextn_predict_layers", keys.get("mtp_num_hidden_layers"))
+    save_file(tensors, str(out / HEAD_FILE), metadata={"format": "pt"})
+    weight_map = {**weight_map, **dict.fromkeys(tensors, HEAD_FILE)}
+    total = sum(_data_bytes(out / f) for f in set(weight_map.values()))
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(_with_keys(raw, keys), indent=2) + "\n")
+
+
 def graft(base, finetuned, out, *, overwrite: bool = False) -> Head:
     """Write `finetuned` (an HF directory) to `out` with the MTP head of `base` (an HF directory or a head file).
     Returns the grafted head."""
@@ -206,18 +221,9 @@ def graft(base, finetuned, out, *, overwrite: bool = False) -> Head:
     source = _SafetensorsDir(finetuned)
     head = read_head(base)
     check_fit(head, raw, base, finetuned)
-    keys = dict(head.config)
-    if text_config_dict(raw)[0].get("model_type") == "qwen3_next":  # the key vLLM and SGLang read for it
-        keys.setdefault("num_nextn_predict_layers", keys.get("mtp_num_hidden_layers"))
 
     def fill(tmp: Path) -> None:
-        weight_map = _copy_weights(source, tmp)
-        save_file(head.tensors, str(tmp / HEAD_FILE), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(head.tensors, HEAD_FILE))
-        total = sum(_data_bytes(tmp / f) for f in set(weight_map.values()))
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        (tmp / "config.json").write_text(json.dumps(_with_keys(raw, keys), indent=2) + "\n")
+        write_head(tmp, head.tensors, _copy_weights(source, tmp), raw, head.config)
         for f in finetuned.iterdir():  # tokenizer, generation config, chat template; not subdirectories
             if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", INDEX):
                 shutil.copyfile(f, tmp / f.name)

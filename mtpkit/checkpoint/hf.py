@@ -328,16 +328,8 @@ def load_model(
             continue
         state[internal] = convert(read(name))
     for prefix, per in experts.items():
-        E = len(per)
-        if sorted(per) != list(range(E)) or any(len(p) != 3 for p in per.values()):
-            raise CheckpointError(f"{path}: incomplete per-expert tensors under {prefix}: re-download the checkpoint")
-        try:
-            state[f"{prefix}.gate_up_proj"] = convert(
-                torch.stack([torch.cat([read(per[e]["gate"]), read(per[e]["up"])]) for e in range(E)])
-            )
-            state[f"{prefix}.down_proj"] = convert(torch.stack([read(per[e]["down"]) for e in range(E)]))
-        except RuntimeError as e:  # torch.cat / stack of experts whose shapes differ
-            raise CheckpointError(f"{path}: the per-expert tensors under {prefix} differ in shape ({e})") from None
+        gate_up, down = fuse_experts(path, prefix, per, read)
+        state[f"{prefix}.gate_up_proj"], state[f"{prefix}.down_proj"] = convert(gate_up), convert(down)
     transposed = _untranspose_experts(state, expected, config.model_type)
     wrong = [f"{k} {tuple(v.shape)} (config expects {tuple(expected[k])})" for k, v in state.items() if v.shape != expected[k]]
     if wrong:
@@ -358,6 +350,29 @@ def load_model(
             len(passthrough),
         )
     return model
+
+
+def group_experts(names) -> dict[str, dict[int, dict[str, str]]]:
+    """Per-expert tensor names by expert block: {"...mlp.experts": {e: {"gate" | "up" | "down": name}}}."""
+    experts: dict[str, dict[int, dict[str, str]]] = {}
+    for name in names:
+        m = _PER_EXPERT.match(name)
+        if m:
+            experts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = name
+    return experts
+
+
+def fuse_experts(path, prefix: str, per: dict[int, dict[str, str]], read) -> tuple[torch.Tensor, torch.Tensor]:
+    """mtpkit's fused (gate_up_proj [E, 2I, H], down_proj [E, H, I]) of the expert block `prefix` from its
+    per-expert tensors {e: {"gate" | "up" | "down": name}}, each read by `read(name)`."""
+    E = len(per)
+    if sorted(per) != list(range(E)) or any(len(p) != 3 for p in per.values()):
+        raise CheckpointError(f"{path}: incomplete per-expert tensors under {prefix}: re-download the checkpoint")
+    try:
+        gate_up = torch.stack([torch.cat([read(per[e]["gate"]), read(per[e]["up"])]) for e in range(E)])
+        return gate_up, torch.stack([read(per[e]["down"]) for e in range(E)])
+    except RuntimeError as e:  # torch.cat / stack of experts whose shapes differ
+        raise CheckpointError(f"{path}: the per-expert tensors under {prefix} differ in shape ({e})") from None
 
 
 def checkpoint_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ from ..kernels.linear import routed_layer
 from .attention import Attention
 from .config import ModelConfig
 from .gated_deltanet import GatedDeltaNet
-from .layers import MLP, RMSNorm, SparseMoE
+from .layers import MLP, RMSNorm, SparseMoE, rope_cos_sin
 
 
 @dataclass
@@ -22,6 +22,17 @@ class Context:
     mask: torch.Tensor | None
     segment_ids: torch.Tensor | None
     cache_positions: torch.Tensor | None
+
+
+def training_context(config: ModelConfig, positions: torch.Tensor, segment_ids: torch.Tensor | None,
+                     dtype: torch.dtype) -> Context:
+    """The Context of a forward without a cache: causal attention, kept inside each packed segment."""
+    mask = None
+    if segment_ids is not None:
+        T = segment_ids.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool, device=segment_ids.device).tril()
+        mask = ((segment_ids[:, :, None] == segment_ids[:, None, :]) & causal)[:, None]
+    return Context(rope_cos_sin(config, positions, dtype), mask, segment_ids, None)
 
 
 class DecoderLayer(nn.Module):

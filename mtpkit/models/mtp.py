@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ..kernels.linear import Linear
-from .block import Context, DecoderLayer
+from .block import Context, DecoderLayer, training_context
 from .config import ModelConfig
 from .init import copy_last_attention_layer, init_weights
 from .layers import RMSNorm
@@ -42,6 +42,26 @@ class MTP(nn.Module):
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
         x = self.layers[min(depth, len(self.layers)) - 1](x, ctx, cache)
         return self.norm(x)
+
+
+def teacher_forced(mtp: nn.Module, config: ModelConfig, embeds, hidden, positions, segment_ids,
+                   depths: int) -> list[torch.Tensor]:
+    """Teacher-forced outputs of depths 1..depths, [B, T-d, H] each: depth d, row i reads the embedding of token
+    i+d (embeds [B, T, H]) and depth d-1's output at row i (the trunk's post-norm hidden [B, T, H] for d = 1), at
+    position p_i + d - 1 (vLLM's convention: row i keeps h_i's position, +1 per chained step). positions: [B, T] or
+    MRoPE [3, B, T]; segment_ids [B, T] keep attention inside packed documents; config: the trunk's (its rotary)."""
+    outs, prev = [], hidden
+    T = embeds.shape[1]
+    for d in range(1, depths + 1):
+        n = T - d
+        if n <= 0:
+            outs.append(hidden.new_zeros(hidden.shape[0], 0, hidden.shape[2]))
+            continue
+        pos = positions[..., :n] + (d - 1)
+        seg = None if segment_ids is None else segment_ids[:, :n]
+        prev = mtp(embeds[:, d:], prev[:, :n], training_context(config, pos, seg, embeds.dtype), d)
+        outs.append(prev)
+    return outs
 
 
 def add_mtp(model: nn.Module, depth: int = 1, init: str = "random") -> nn.Module:

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.linear import Linear, linear
-from .block import Context, DecoderLayer
+from .block import Context, DecoderLayer, training_context
 from .config import ModelConfig
 from .layers import RMSNorm, rope_cos_sin
-from .mtp import MTP
+from .mtp import MTP, teacher_forced
 from .parallel_heads import ParallelHeads
 
 
@@ -123,27 +123,23 @@ class CausalLM(nn.Module):
 
     def context(self, positions, segment_ids=None, cache=None, cache_positions=None, dtype=torch.float32,
                 kv_len: int | None = None, tree: torch.Tensor | None = None) -> Context:
-        mask = None
-        if cache is not None:
-            if cache_positions is None:  # the KV slots: the positions, or MRoPE's temporal row
-                cache_positions = positions if positions.dim() == 2 else positions[0]
-            # a query sees every slot up to its own; later slots may hold stale (rejected) drafts.
-            # kv_len (slots to attend over) from a caller that tracks positions spares a host sync
-            length = int(cache_positions.max()) + 1 if kv_len is None else kv_len
-            slots = torch.arange(length, device=cache_positions.device)
-            if tree is None:
-                mask = (slots <= cache_positions[..., None])[:, None]  # (B, 1, T, S)
-            else:  # the slots before the first token's, then the tree's own pattern over the T tokens' slots
-                B, T = cache_positions.shape
-                mask = (slots < cache_positions[:, :1, None]).expand(B, T, length).clone()
-                mask.scatter_(2, cache_positions[:, None, :].expand(B, T, T), tree.expand(B, T, T))
-                mask = mask[:, None]
-            # additive, once per forward: SDPA would convert a bool mask in every layer
-            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-        elif segment_ids is not None:
-            T = segment_ids.shape[1]
-            causal = torch.ones(T, T, dtype=torch.bool, device=segment_ids.device).tril()
-            mask = ((segment_ids[:, :, None] == segment_ids[:, None, :]) & causal)[:, None]
+        if cache is None:
+            return training_context(self.config, positions, segment_ids, dtype)
+        if cache_positions is None:  # the KV slots: the positions, or MRoPE's temporal row
+            cache_positions = positions if positions.dim() == 2 else positions[0]
+        # a query sees every slot up to its own; later slots may hold stale (rejected) drafts.
+        # kv_len (slots to attend over) from a caller that tracks positions spares a host sync
+        length = int(cache_positions.max()) + 1 if kv_len is None else kv_len
+        slots = torch.arange(length, device=cache_positions.device)
+        if tree is None:
+            mask = (slots <= cache_positions[..., None])[:, None]  # (B, 1, T, S)
+        else:  # the slots before the first token's, then the tree's own pattern over the T tokens' slots
+            B, T = cache_positions.shape
+            mask = (slots < cache_positions[:, :1, None]).expand(B, T, length).clone()
+            mask.scatter_(2, cache_positions[:, None, :].expand(B, T, T), tree.expand(B, T, T))
+            mask = mask[:, None]
+        # additive, once per forward: SDPA would convert a bool mask in every layer
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         return Context(rope_cos_sin(self.config, positions, dtype), mask, segment_ids, cache_positions)
 
     def forward(
@@ -218,21 +214,8 @@ class CausalLM(nn.Module):
         return self.model.norm(h)
 
     def mtp_teacher_forced(self, embeds, hidden, positions, segment_ids, depths: int) -> list[torch.Tensor]:
-        """Depth d, row i: embedding of token i+d and depth d-1's output at row i (the trunk's for d = 1),
-        at position p_i + d - 1 (vLLM's convention: row i keeps h_i's position, +1 per chained step)."""
-        outs, prev = [], hidden
-        T = embeds.shape[1]
-        for d in range(1, depths + 1):
-            n = T - d
-            if n <= 0:
-                outs.append(hidden.new_zeros(hidden.shape[0], 0, hidden.shape[2]))
-                continue
-            pos = positions[..., :n] + (d - 1)
-            seg = None if segment_ids is None else segment_ids[:, :n]
-            ctx = self.context(pos, seg, dtype=embeds.dtype)
-            prev = self.mtp(embeds[:, d:], prev[:, :n], ctx, d)
-            outs.append(prev)
-        return outs
+        """Depth d's MTP output [B, T-d, H] for d = 1..depths (see `mtp.teacher_forced`)."""
+        return teacher_forced(self.mtp, self.config, embeds, hidden, positions, segment_ids, depths)
 
     def mtp_step(
         self, token_ids, hidden, positions, depth: int, cache, cache_positions=None, kv_len: int | None = None,

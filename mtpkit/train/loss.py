@@ -195,19 +195,26 @@ def compute_loss(model, batch: dict, cfg: MTPSection, targets: Targets | None = 
     if not (with_main or cfg.only):
         raise ValueError("with_main=False is for MTP-only training, where the main CE is only reported")
     targets = loss_targets(batch, cfg) if targets is None else targets
-    n = len(targets.weights)
-    out = model(**model_inputs(batch), mtp=n or False, return_logits=False, detach_trunk=cfg.detach_trunk,
-                trunk_grad=not cfg.only)
+    out = model(**model_inputs(batch), mtp=len(targets.weights) or False, return_logits=False,
+                detach_trunk=cfg.detach_trunk, trunk_grad=not cfg.only)
+    vocab = model.drafter.draft_vocab if targets.weights else None
+    return score(out.hidden, out.mtp_hidden, model.output_weight, vocab, batch, cfg, targets, token_counts, with_main)
+
+
+def score(hidden: Tensor, mtp_hidden: list[Tensor] | None, output_weight: Tensor, draft_vocab: Tensor | None,
+          batch: dict, cfg: MTPSection, targets: Targets, token_counts: list[int] | None = None,
+          with_main: bool = True) -> LossOutput:
+    """The objective of `compute_loss` from a forward's outputs: the trunk's post-norm hidden [B, T, H], depth d's
+    MTP output [B, T-d, H] and the lm_head weight [V, H], scored against `targets` (see compute_loss)."""
     # MTP-only: lm_head serves every CE as a constant, so it gets no gradient even if left trainable;
     # detach_trunk: only the MTP CEs read it as a constant (with tied embeddings it is the embedding too)
-    main_weight = model.output_weight.detach() if cfg.only else model.output_weight
-    mtp_weight = model.output_weight.detach() if cfg.only or cfg.detach_trunk else model.output_weight
-    vocab = model.drafter.draft_vocab if n else None
-    remap = draft_columns(vocab, mtp_weight.shape[0], mtp_weight.device)
+    main_weight = output_weight.detach() if cfg.only else output_weight
+    mtp_weight = output_weight.detach() if cfg.only or cfg.detach_trunk else output_weight
+    remap = draft_columns(draft_vocab, mtp_weight.shape[0], mtp_weight.device)
     if remap is not None:
-        mtp_weight = mtp_weight[vocab.to(mtp_weight.device)]  # [N, H], gathered once for every depth
+        mtp_weight = mtp_weight[draft_vocab.to(mtp_weight.device)]  # [N, H], gathered once for every depth
     terms, sums, correct = [], [], []
-    for d, (h, t) in enumerate(zip([out.hidden, *(out.mtp_hidden or [])], targets.labels)):
+    for d, (h, t) in enumerate(zip([hidden, *(mtp_hidden or [])], targets.labels)):
         if d == 0 and not with_main:
             loss_sum, n_correct = torch.full((), float("nan"), device=h.device), torch.zeros_like(targets.counts[0])
         else:

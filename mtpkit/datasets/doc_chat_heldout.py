@@ -35,22 +35,27 @@ ASKS = (
 SECTION_ASKS = ("What does the document say about {h}?", "Explain \"{h}\" from this document.")
 
 
-def build(tokenizer, n: int = 40, *, seed: int = 0, per_source: int = 2) -> list[dict]:
-    """n prompts {"prompt", "chat": True, "kind": "document", "source", "doc_tokens"}, no source used more than
-    `per_source` times, sources as varied as the held-out side allows."""
+def _package(path: str) -> str:
+    return path.split("/")[0].removesuffix(".dist-info")
+
+
+def build(tokenizer, n: int = 40, *, seed: int = 0, per_package: int = 4) -> list[dict]:
+    """n prompts {"prompt", "chat": True, "kind": "document", "source", "doc_tokens"}: one document a source (from
+    its top), no more than `per_package` from one package, so that the set spans many projects' docs."""
     train, held = split_sides(prose_sources())
-    documents = cut_documents(held, tokenizer, MIN_TOKENS, MAX_TOKENS, seed=seed, per_source=per_source)
-    copied = overlapping(documents, [s["text"] for s in train])
+    documents = cut_documents(held, tokenizer, MIN_TOKENS, MAX_TOKENS, seed=seed, per_source=1)
+    copied = overlapping(documents, (s["text"] for s in train))
+    print(f"{len(documents)} held-out documents of {MIN_TOKENS}-{MAX_TOKENS} tokens, {len(copied)} left out for "
+          "sharing text with the training side")
     documents = [d for i, d in enumerate(documents) if i not in copied]
     rng = random.Random(seed)
     rng.shuffle(documents)
     uses = Counter()
     chosen = []
-    for round_ in range(per_source):  # one document a source first, then a second from the same sources
-        for d in documents:
-            if len(chosen) < n and uses[d["path"]] == round_ and d not in chosen:
-                chosen.append(d)
-                uses[d["path"]] += 1
+    for d in documents:
+        if len(chosen) < n and uses[_package(d["path"])] < per_package:
+            chosen.append(d)
+            uses[_package(d["path"])] += 1
     if len(chosen) < n:
         raise ValueError(f"only {len(chosen)} held-out documents of {MIN_TOKENS}-{MAX_TOKENS} tokens: ask for fewer")
     return [{"prompt": ask_about(d["text"], rng, ASKS, SECTION_ASKS), "chat": True, "kind": "document",

@@ -56,11 +56,14 @@ def api_reference(source: str) -> str | None:
 
 
 def _reads_as_prose(text: str) -> bool:
-    """At least 100 words, mostly letters, lines of several words: not a word list, table or data file."""
+    """At least 100 words, mostly letters, lines of several words, not mostly comments: not a word list, table or
+    data file."""
     words = text.split()
     lines = [line for line in text.splitlines() if line.strip()]
     letters = sum(c.isalpha() for c in text)
-    return len(words) >= 100 and letters >= 0.6 * sum(not c.isspace() for c in text) and len(words) >= 5 * len(lines)
+    comments = sum(line.lstrip().startswith("#") for line in lines)
+    return len(words) >= 100 and letters >= 0.6 * sum(not c.isspace() for c in text) and \
+        len(words) >= 5 * len(lines) and comments < 0.3 * len(lines)
 
 
 def _key(name: str) -> str:
@@ -110,10 +113,16 @@ def split_sides(sources: list[dict]) -> tuple[list[dict], list[dict]]:
     return [s for s, h in zip(sources, side) if not h], [s for s, h in zip(sources, side) if h]
 
 
+def _opens_section(paragraph: str) -> bool:
+    """A paragraph that starts with a Markdown title or an underlined reStructuredText one."""
+    return bool(re.match(r"#{1,4} \S", paragraph) or re.match(r"[^\n]+\n([=\-~^])\1{2,}", paragraph))
+
+
 def cut_documents(sources: list[dict], tokenizer, min_tokens: int, max_tokens: int, *, seed: int = 0,
                   per_source: int | None = None) -> list[dict]:
-    """Documents {"text", "path", "tokens"} of min_tokens..max_tokens tokens: consecutive paragraphs of a source,
-    each document's length drawn uniformly in the range so that lengths vary; at most `per_source` a source."""
+    """Documents {"text", "path", "tokens"} of min_tokens..max_tokens tokens: whole sections of a source (from its
+    start or a section title, to a section end where the length allows), each document's length aimed at a draw
+    from the range so that lengths vary; at most `per_source` a source."""
     rng = random.Random(seed)
     out = []
     for source in sources:
@@ -121,12 +130,16 @@ def cut_documents(sources: list[dict], tokenizer, min_tokens: int, max_tokens: i
         lengths = [len(ids) for ids in tokenizer(paragraphs)["input_ids"]] if paragraphs else []
         taken, current, total = 0, [], 0
         target = rng.randint(min_tokens, max_tokens)
-        for paragraph, n in zip(paragraphs, lengths):
-            if total + n > max_tokens:  # too long to add: start afresh (a huge paragraph is skipped whole)
-                current, total = ([paragraph], n) if n <= max_tokens else ([], 0)
-            else:
-                current, total = current + [paragraph], total + n
-            if total >= target:
+        for i, (paragraph, n) in enumerate(zip(paragraphs, lengths)):
+            if not current and i and not _opens_section(paragraph):
+                continue  # a document starts where a reader would: at the top or at a title
+            if total + n > max_tokens:
+                current, total = [], 0
+                if i and not _opens_section(paragraph) or n > max_tokens:
+                    continue
+            current, total = current + [paragraph], total + n
+            full = i + 1 == len(paragraphs) or total + lengths[i + 1] > max_tokens  # nothing more fits
+            if total >= min_tokens and (full or total >= target and _opens_section(paragraphs[i + 1])):
                 text = "\n\n".join(current)
                 tokens = len(tokenizer(text)["input_ids"])
                 if min_tokens <= tokens <= max_tokens:
@@ -156,10 +169,16 @@ def overlapping(documents: list[dict], texts) -> set[int]:
     return {i for i, m in enumerate(marks) if m & shared}
 
 
+GENERIC_TITLES = {"examples", "example", "parameters", "returns", "return", "yields", "raises", "notes", "note",
+                  "references", "see also", "attributes", "details", "tips", "usage", "args", "arguments", "warning"}
+
+
 def headings(text: str) -> list[str]:
-    """Section titles of a Markdown ("# Title") or reStructuredText (a line underlined with =, - or ~) document."""
+    """Section titles of a Markdown ("# Title") or reStructuredText (a line underlined with =, - or ~) document,
+    less the generic ones of docstrings ("Examples", "Parameters"); an API entry's title is its name only."""
     lines = text.splitlines()
-    found = [m.group(1) for m in (re.match(r"#{1,4}\s+(\w.{2,60})$", line.strip()) for line in lines) if m]
+    found = [m.group(1) for m in (re.match(r"#{1,4}\s+(\w.{2,})$", line.strip()) for line in lines) if m]
     found += [a.strip() for a, b in zip(lines, lines[1:])
               if 3 <= len(a.strip()) <= 60 and re.fullmatch(r"([=\-~^])\1{2,}", b.strip()) and a.strip()[0].isalpha()]
-    return [h.strip("*` ") for h in found]
+    titles = [re.sub(r"\(.*", "", h).strip("*` :") for h in found]
+    return [t for t in titles if 3 <= len(t) <= 60 and t.lower() not in GENERIC_TITLES]

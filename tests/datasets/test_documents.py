@@ -10,7 +10,9 @@ _WORDS = ("the parser reads every token of the input and builds a tree that late
 
 
 def _prose(seed: int, paragraphs: int = 12) -> str:
-    return "\n\n".join(" ".join(_WORDS[(seed + 7 * p + i) % len(_WORDS)] for i in range(40 + p))
+    """Paragraphs of 40+ words, a section title before every third."""
+    return "\n\n".join(("" if p % 3 else f"## Section {p}\n\n") +
+                       " ".join(_WORDS[(seed + 7 * p + i) % len(_WORDS)] for i in range(40 + p))
                        for p in range(paragraphs))
 
 
@@ -31,8 +33,9 @@ def test_documents_keep_within_their_token_range(tmp_path):
     tok = make_tokenizer(tmp_path)
     sources = [{"path": f"p{i}.md", "text": _prose(i, 30)} for i in range(4)]
     docs = cut_documents(sources, tok, 200, 500, seed=1)
-    assert len(docs) >= 4
+    assert len(docs) >= 8
     assert all(200 <= len(tok(d["text"])["input_ids"]) == d["tokens"] <= 500 for d in docs)
+    assert all(d["text"].startswith("## Section") for d in docs)  # whole sections, from a title
     assert len({d["tokens"] for d in docs}) > 1  # lengths are drawn, not all at the cap
     assert len(cut_documents(sources, tok, 200, 500, seed=1, per_source=1)) == 4
 
@@ -51,5 +54,5 @@ def test_api_reference_and_headings():
     assert api_reference(source) == ("A module that parses things.\n\n## parse(text, strict=False)\n\nParse the text."
                                      "\n\n## Tree\n\nA tree.\n\n## Tree.walk(self)\n\nVisit every node.")
     assert api_reference("def broken(:\n") is None
-    assert headings("# Install\n\ntext\n\nUsage notes\n-----------\n\n## parse(text)\n") == \
-        ["Install", "parse(text)", "Usage notes"]
+    assert headings("# Install\n\ntext\n\nUsage notes\n-----------\n\n## parse(text)\n\nExamples\n--------\n") == \
+        ["Install", "parse", "Usage notes"]

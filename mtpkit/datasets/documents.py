@@ -113,9 +113,15 @@ def split_sides(sources: list[dict]) -> tuple[list[dict], list[dict]]:
     return [s for s, h in zip(sources, side) if not h], [s for s, h in zip(sources, side) if h]
 
 
+GENERIC_TITLES = {"examples", "example", "parameters", "returns", "return", "yields", "raises", "notes", "note",
+                  "references", "see also", "attributes", "details", "tips", "usage", "args", "arguments", "warning"}
+
+
 def _opens_section(paragraph: str) -> bool:
-    """A paragraph that starts with a Markdown title or an underlined reStructuredText one."""
-    return bool(re.match(r"#{1,4} \S", paragraph) or re.match(r"[^\n]+\n([=\-~^])\1{2,}", paragraph))
+    """A paragraph that starts with a Markdown title or an underlined reStructuredText one, not a docstring's
+    "Examples" or "Parameters" (those belong to the entry above them)."""
+    titled = re.match(r"#{1,4} \S", paragraph) or re.match(r"[^\n]+\n([=\-~^])\1{2,}", paragraph)
+    return bool(titled) and paragraph.splitlines()[0].strip("#*` :").lower() not in GENERIC_TITLES
 
 
 def cut_documents(sources: list[dict], tokenizer, min_tokens: int, max_tokens: int, *, seed: int = 0,
@@ -167,10 +173,6 @@ def overlapping(documents: list[dict], texts) -> set[int]:
     for text in texts:
         shared |= shingles(text) & every
     return {i for i, m in enumerate(marks) if m & shared}
-
-
-GENERIC_TITLES = {"examples", "example", "parameters", "returns", "return", "yields", "raises", "notes", "note",
-                  "references", "see also", "attributes", "details", "tips", "usage", "args", "arguments", "warning"}
 
 
 def headings(text: str) -> list[str]:

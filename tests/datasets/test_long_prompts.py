@@ -61,7 +61,7 @@ def test_a_request_about_a_document_uses_a_training_wording():
 
 def test_code_contexts_are_training_side_whole_lines_in_range(tmp_path):
     tok = make_tokenizer(tmp_path)
-    contexts = code_contexts(tok, 12, seed=0, min_tokens=300, max_tokens=900)
+    contexts = code_contexts(tok, 12, seed=0, per_file=3, min_tokens=300, max_tokens=900)
     assert contexts
     for c in contexts:
         assert not held_out(c["path"])
@@ -72,3 +72,10 @@ def test_code_contexts_are_training_side_whole_lines_in_range(tmp_path):
 def test_no_long_sources_is_an_error():
     with pytest.raises(ValueError, match="documents and code"):
         LongSources([], [])
+
+
+def test_a_file_gives_several_different_contexts(tmp_path):
+    tok = make_tokenizer(tmp_path)
+    contexts = code_contexts(tok, 6, seed=1, per_file=3, min_tokens=300, max_tokens=900)
+    by_file = Counter(c["path"] for c in contexts)
+    assert max(by_file.values()) > 1 and len({c["prompt"] for c in contexts}) == len(contexts)

@@ -5,11 +5,11 @@ measures that, on documents no training source holds: held-out side of `document
 document that shares a run of words with the training side's prose, with requests worded unlike the training
 kinds' (`long_prompts.ASKS`). It is built once, before any head trains on long kinds, and committed:
 
-    python -m mtpkit.datasets.doc_chat_heldout docs/bench/doc_chat_heldout_prompts.jsonl
+    python -m mtpkit.datasets.doc_chat_heldout mtpkit/resources/doc_chat_heldout_prompts.jsonl
 
-(SmolLM2's tokenizer counts the tokens; ~4 minutes, most of it parsing every installed package's docstrings for
-the overlap check.) Read it with `mtpkit bench --prompts docs/bench/doc_chat_heldout_prompts.jsonl`; each record
-also names its "source" and its document's "doc_tokens".
+(SmolLM2's tokenizer counts the tokens; 2-5 minutes, most of it parsing every installed package's docstrings.)
+Benchmark with `mtpkit bench --prompts mtpkit/resources/doc_chat_heldout_prompts.jsonl`; each record also names
+its "source" and its document's "doc_tokens".
 """
 
 from __future__ import annotations

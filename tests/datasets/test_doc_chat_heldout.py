@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from mtpkit.bench.speedup import read_prompts
+from mtpkit.bench.speedup import read_prompts, resource
 from mtpkit.datasets.doc_chat_heldout import ASKS, MAX_TOKENS, MIN_TOKENS, SECTION_ASKS
 from mtpkit.datasets.documents import overlapping, prose_sources, split_sides
 from mtpkit.datasets.long_prompts import ASKS as TRAINING_ASKS
 
-HELD_OUT = Path(__file__).parents[2] / "docs" / "bench" / "doc_chat_heldout_prompts.jsonl"
+HELD_OUT = resource("doc_chat_heldout_prompts.jsonl")
 
 
 def _records() -> list[dict]:

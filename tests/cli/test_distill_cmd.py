@@ -133,3 +133,21 @@ def test_image_prompts_are_refused(tmp_path, capsys):
     assert main(["distill", "--out", str(tmp_path / "d.jsonl"), "--prompts", str(tmp_path / "p.jsonl")]) == 2
     err = capsys.readouterr().err.strip()
     assert "image prompts" in err and "\n" not in err
+
+
+def test_long_share_adds_the_long_kinds(tmp_path, monkeypatch, capsys):
+    from collections import Counter
+
+    from mtpkit.datasets import distill, long_prompts
+
+    docs = [{"text": "A long guide. " * 400, "path": "g.md", "tokens": 1200}]
+    code = [{"prompt": "def f(x):\n    return x\n" * 100, "path": "pkg/m.py", "tokens": 900}]
+    monkeypatch.setattr(long_prompts, "long_sources", lambda tok, seed: long_prompts.LongSources(docs, code))
+    built = {}
+    monkeypatch.setattr(distill, "distill_model", lambda model, out, build, **kw: built.update(prompts=build(None)))
+    argv = ["distill", "--out", str(tmp_path / "d.jsonl"), "--num-prompts", "400", "--no-literature"]
+    assert main(argv + ["--long-share", "0.5"]) == 0
+    kinds = Counter(p["kind"] for p in built["prompts"])
+    assert (kinds["document"], kinds["code_file"], kinds["long_multiturn"]) == (100, 50, 50)
+    assert main(argv + ["--long-share", "1.5"]) == 2
+    assert "--long-share must lie in [0, 1)" in capsys.readouterr().err

@@ -6,7 +6,7 @@ from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16")
 # the arguments that choose the built-in prompts (with --prompts: none): a resumed run must give the same ones
-PROMPT_ARGS = ("num_prompts", "seed", "word_share", "no_literature")
+PROMPT_ARGS = ("num_prompts", "seed", "word_share", "long_share", "no_literature")
 
 
 def add_parser(sub) -> None:

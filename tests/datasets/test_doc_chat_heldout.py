@@ -2,11 +2,11 @@
 sharing no text with the training side (checked by content against this machine's installed packages)."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-from mtpkit.bench.speedup import read_prompts, resource
+from mtpkit.prompts import read_prompts
+from mtpkit.resources import resource
 from mtpkit.datasets.doc_chat_heldout import ASKS, MAX_TOKENS, MIN_TOKENS, SECTION_ASKS
 from mtpkit.datasets.documents import overlapping, prose_sources, split_sides
 from mtpkit.datasets.long_prompts import ASKS as TRAINING_ASKS
@@ -32,8 +32,8 @@ def test_the_set_is_chat_about_held_out_documents():
 
 
 def test_the_set_shares_no_document_with_the_benchmark_prompts():
-    bench = [p.text for f in ("mtpkit/resources/bench_prompts.jsonl", "docs/bench/heldout_prompts.jsonl",
-                              "docs/bench/heldout2_prompts.jsonl") for p in read_prompts(Path(__file__).parents[2] / f)]
+    bench = [p.text for f in ("bench_prompts.jsonl", "heldout_prompts.jsonl", "heldout2_prompts.jsonl")
+             for p in read_prompts(resource(f))]
     docs = [{"text": r["prompt"]} for r in _records()]
     assert overlapping(docs, bench) == set()
 

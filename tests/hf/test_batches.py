@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from tiny_models import hf_model, random_mtp_tensors, save_hf
+from tiny_models import random_mtp_tensors, save_hf
 
 import mtpkit
 from mtpkit.hf import with_mtp
 from mtpkit.hf.batch import segment_ids
+from mtpkit.models.presets import tiny_hf_model
 from mtpkit.train.config import MTPSection
 from mtpkit.train.loss import compute_loss, shift_labels
 
@@ -26,7 +27,7 @@ def test_segment_ids():
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    ref = hf_model("llama")
+    ref = tiny_hf_model("llama")
     path = tmp_path_factory.mktemp("llama")
     save_hf(ref, path, mtp_tensors=random_mtp_tensors(ref, depth=2))
     return with_mtp(ref, head=path, mtp_lambda=0.3), mtpkit.load_model(path)

@@ -6,12 +6,13 @@ import json
 import pytest
 import torch
 import transformers as tf
-from tiny_models import hf_model, random_mtp_tensors, save_hf
+from tiny_models import random_mtp_tensors, save_hf
 
 import mtpkit
 from mtpkit.checkpoint.hf import CheckpointError
 from mtpkit.checkpoint.mtp_head import save_mtp_head
 from mtpkit.hf import MTPTrainer, with_mtp
+from mtpkit.models.presets import tiny_hf_model
 
 
 @pytest.mark.parametrize("family,per_expert", [("qwen3_5", False), ("qwen3_5_moe", False), ("qwen3_5_moe", True),
@@ -19,7 +20,7 @@ from mtpkit.hf import MTPTrainer, with_mtp
 def test_checkpoint_head_round_trip(tmp_path, family, per_expert):
     """The checkpoint's own mtp.* (fused or one tensor per expert, as released) load exactly; the save writes them
     in the layout transformers writes the trunk's experts in, and mtpkit loads the directory back."""
-    ref = hf_model(family)
+    ref = tiny_hf_model(family)
     mtp = random_mtp_tensors(ref)
     save_hf(ref, tmp_path / "base", mtp_tensors=mtp, per_expert=per_expert)
     model = with_mtp(tf.AutoModelForCausalLM.from_pretrained(tmp_path / "base") if family != "qwen3_vl" else ref,
@@ -37,7 +38,7 @@ def test_checkpoint_head_round_trip(tmp_path, family, per_expert):
 
 
 def test_saving_twice_leaves_one_head(tmp_path):
-    ref = hf_model("qwen3_5")
+    ref = tiny_hf_model("qwen3_5")
     model = with_mtp(ref, init="random")
     model.save_pretrained(tmp_path)
     model.save_pretrained(tmp_path)
@@ -47,7 +48,7 @@ def test_saving_twice_leaves_one_head(tmp_path):
 
 def test_head_file_with_draft_vocab(tmp_path):
     """An mtpkit head file (as shipped for SmolLM2): its draft vocabulary restricts the MTP CE, as in mtpkit."""
-    save_hf(hf_model("llama"), tmp_path / "base")
+    save_hf(tiny_hf_model("llama"), tmp_path / "base")
     own = mtpkit.add_mtp(mtpkit.load_model(tmp_path / "base"), init="random")
     own.mtp.draft_vocab = torch.arange(0, 256, 2)
     save_mtp_head(own, tmp_path / "head.safetensors", dtype=None)
@@ -62,7 +63,7 @@ def test_head_file_with_draft_vocab(tmp_path):
 
 @pytest.mark.parametrize("init", ["random", "last_layer"])
 def test_new_head(init):
-    ref = hf_model("qwen3_5")
+    ref = tiny_hf_model("qwen3_5")
     model = with_mtp(ref, init=init, layers=2)
     assert len(model.mtp.layers) == 2 and model.loss_config.depth == 2
     if init == "last_layer":
@@ -72,7 +73,7 @@ def test_new_head(init):
 
 
 def test_missing_head_is_one_line(tmp_path):
-    save_hf(hf_model("llama"), tmp_path)
+    save_hf(tiny_hf_model("llama"), tmp_path)
     with pytest.raises(CheckpointError, match="no mtp.layers"):
         with_mtp(tf.AutoModelForCausalLM.from_pretrained(tmp_path))
     with pytest.raises(ValueError, match="not both"):
@@ -81,7 +82,7 @@ def test_missing_head_is_one_line(tmp_path):
 
 def test_transformers_trainer(tmp_path):
     """transformers' own Trainer (MTPTrainer): logs per depth, gradient accumulation, checkpoints with the head."""
-    model = with_mtp(hf_model("llama"), init="last_layer", layers=1, depth=2, mtp_lambda=0.5)
+    model = with_mtp(tiny_hf_model("llama"), init="last_layer", layers=1, depth=2, mtp_lambda=0.5)
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": (s + torch.arange(16)) % 256, "labels": (s + torch.arange(16)) % 256}
             for s in torch.randint(0, 256, (32,), generator=g)]

@@ -6,11 +6,12 @@ import warnings
 
 import pytest
 import torch
-from tiny_models import hf_model, random_mtp_tensors, save_hf, vlm_prompt
+from tiny_models import random_mtp_tensors, save_hf
 
 import mtpkit
 from mtpkit.hf import with_mtp
 from mtpkit.hf.batch import segment_ids
+from mtpkit.models.presets import tiny_hf_model, vlm_prompt
 from mtpkit.train.config import MTPSection
 from mtpkit.train.loss import compute_loss, shift_labels
 
@@ -24,7 +25,7 @@ ATTENTION_ONLY = {"qwen3_vl", "llama"}
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_vl", "llama"])
 def pair(request, tmp_path_factory):
     """(transformers model with its mtp.* head wrapped, mtpkit's model of the same checkpoint, family)."""
-    ref = hf_model(request.param).train()  # eval() and train() differ in nothing these tiny models use
+    ref = tiny_hf_model(request.param).train()  # eval() and train() differ in nothing these tiny models use
     path = tmp_path_factory.mktemp(request.param)
     save_hf(ref, path, mtp_tensors=random_mtp_tensors(ref, depth=2))
     return ref, mtpkit.load_model(path), request.param, path
@@ -165,7 +166,7 @@ def test_without_labels_it_is_the_transformers_model(pair):
 def test_image_batch_matches_mtpkit(tmp_path):
     """Qwen3-VL with an image: the MTP reads the vision embeddings at image tokens and the MRoPE positions the
     transformers model computed, as mtpkit's VisionLanguageModel does."""
-    ref = hf_model("qwen3_vl")
+    ref = tiny_hf_model("qwen3_vl")
     save_hf(ref, tmp_path, mtp_tensors=random_mtp_tensors(ref))
     own = mtpkit.load_model(tmp_path, vision=True)
     prompt = vlm_prompt([5, ("image", 1, 4, 4), 9])

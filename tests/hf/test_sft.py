@@ -8,10 +8,11 @@ import pytest
 import torch
 import transformers as tf
 from peft import LoraConfig, get_peft_model
-from tiny_models import hf_model, random_mtp_tensors, save_hf, save_word_tokenizer
+from tiny_models import random_mtp_tensors, save_hf, save_word_tokenizer
 
 import mtpkit
 from mtpkit.hf import with_mtp
+from mtpkit.models.presets import tiny_hf_model
 
 datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
@@ -24,7 +25,7 @@ TRUNK_LORA = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", 
 def base(tmp_path_factory):
     """A tiny Qwen3.5 checkpoint with a 1-layer head, and a word-level tokenizer (t0 .. t255)."""
     path = tmp_path_factory.mktemp("base")
-    ref = hf_model("qwen3_5")
+    ref = tiny_hf_model("qwen3_5")
     save_hf(ref, path, mtp_tensors=random_mtp_tensors(ref))
     save_word_tokenizer(path)
     return path

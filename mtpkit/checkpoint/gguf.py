@@ -309,7 +309,9 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     if beside:
         own = _array_len(_open_reader(path), "tokenizer.ggml.tokens")
         if own is not None and own != len(tokenizer):
-            raise _bad_file(path, f"has a {own}-token vocabulary, but the tokenizer files beside it "
-                                  f"({', '.join(beside)}) hold {len(tokenizer)} tokens and would replace it: move "
-                                  "them out of its directory or use the model they belong to")
+            from ..errors import MtpkitError
+
+            raise MtpkitError(f"{path} has a {own}-token vocabulary, but the tokenizer files beside it "
+                              f"({', '.join(beside)}) hold {len(tokenizer)} tokens and would replace it: move them "
+                              "out of its directory or use the model they belong to")
     return tokenizer

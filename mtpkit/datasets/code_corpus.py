@@ -23,9 +23,12 @@ from pathlib import Path
 
 from ..checkpoint.safe_write import write_dir
 
+# pip and setuptools are left out: they vendor copies of packages listed here (urllib3, requests, rich, packaging),
+# and looking pip up (find_spec) makes setuptools' distutils shim switch to the standard library's distutils, after
+# which torch cannot build the CPU kernels in that process
 PACKAGES = ("torch", "numpy", "matplotlib", "pyarrow", "hypothesis", "rich", "pygments", "werkzeug", "tensorboard",
-            "click", "setuptools", "pip", "huggingface_hub", "accelerate", "pydantic", "fontTools", "anyio", "grpc",
-            "urllib3", "requests", "markdown", "typer", "dateutil", "tqdm", "gguf", "yaml", "psutil", "packaging")
+            "click", "huggingface_hub", "accelerate", "pydantic", "fontTools", "anyio", "grpc", "urllib3", "requests",
+            "markdown", "typer", "dateutil", "tqdm", "gguf", "yaml", "psutil", "packaging")
 HELD_OUT_SHARE = 0.1
 
 

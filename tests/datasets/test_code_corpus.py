@@ -4,11 +4,14 @@ prompts cut mid-file at a line start with room after them."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from train_runs import make_tokenizer
 
 from mtpkit.datasets.code_corpus import build_code_corpus, cut_prompts, held_out, read_corpus
+from mtpkit.kernels import thin_matmul
 
 
 @pytest.fixture(scope="module")
@@ -40,3 +43,14 @@ def test_prompts_cut_at_line_starts(corpus):
         assert len(tok(text[at + len(p["prompt"]):])["input_ids"]) >= 16
     with pytest.raises(ValueError, match="long enough"):
         cut_prompts(docs[:2], tok, 5, context_tokens=64, min_left=32)
+
+
+@pytest.mark.skipif(not thin_matmul.supported(), reason="the CPU kernels need an x86-64 CPU with AVX2")
+def test_looking_up_the_packages_leaves_the_kernels_buildable():
+    # looking pip up switched setuptools' distutils shim to the standard library's, and torch's extension build
+    # then failed in that process: a run that built a corpus decoded without its kernels
+    code = ("from mtpkit.datasets.code_corpus import PACKAGES, package_root\n"
+            "[package_root(p) for p in PACKAGES]\n"
+            "from mtpkit.kernels import thin_matmul\n"
+            "assert thin_matmul.available()\n")
+    subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], check=True, timeout=600)

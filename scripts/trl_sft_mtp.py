@@ -79,6 +79,17 @@ def fine_tune(arm: str, base: Path, texts: list[str], out: Path, args) -> tuple[
     return final, seconds
 
 
+def chunks(docs: list[str], tok, tokens: int) -> list[str]:
+    """Each file as consecutive pieces of at most `tokens` tokens: SFTTrainer truncates each example to max_length,
+    which would train on the files' first lines (licences, imports) alone; packing instead would let attention run
+    across files on CPU, where transformers' padding-free batches need FlashAttention."""
+    out = []
+    for doc in docs:
+        ids = tok(doc, add_special_tokens=False)["input_ids"]
+        out += [tok.decode(ids[i : i + tokens]) for i in range(0, len(ids), tokens)]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/trl_sft_mtp")
@@ -95,7 +106,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     size = dict(EVAL, train_tokens=max(args.steps * args.batch * args.seq_len, 65536))  # corpus: enough files
     setup = prepare(out, out / "corpus", load_tokenizer(default_gguf_path()), size)
-    texts = [d["text"] for d in read_corpus(out / "corpus" / "train.jsonl")]
+    texts = chunks([d["text"] for d in read_corpus(out / "corpus" / "train.jsonl")], load_tokenizer(setup["base"]),
+                   args.seq_len - 2)
     device = torch.device("cpu")
     results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}

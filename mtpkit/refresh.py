@@ -16,6 +16,7 @@ Stages, each kept under OUT and skipped or resumed when a rerun finds it (kill i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -122,8 +123,12 @@ def refresh(model, prompts, out, *, head_from=None, eval_prompts=None, eval_ever
 
     start = time.perf_counter()
     records, features = out / "distill.jsonl", out / "features"
+    # the prompts' digest in the manifest: a rerun after the prompts file changed is refused, not resumed on the
+    # first run's prompt list
+    digest = hashlib.sha256(json.dumps(train_prompts, sort_keys=True).encode()).hexdigest()[:16]
     distill_model(model_dir, records, lambda tokenizer: train_prompts, device=device_type, dtype=dtype,
-                  batch_size=batch_size, max_new_tokens=max_new_tokens, features=features)
+                  batch_size=batch_size, max_new_tokens=max_new_tokens, features=features,
+                  recorded={"refresh_prompts": digest})
     seconds["distill"] = time.perf_counter() - start
 
     start = time.perf_counter()

@@ -103,3 +103,13 @@ def test_one_line_errors(planted, tmp_path, capsys):
     save_model(mtpkit.add_mtp(build_model(other), depth=1), tmp_path / "other", make_tokenizer(tmp_path))
     _one_line_error(["refresh", "--model", str(planted / "finetuned"), "--head-from", str(tmp_path / "other"),
                      *args[1:]], capsys, "hidden")
+
+
+def test_a_rerun_with_other_prompts_is_refused(planted, tmp_path):
+    run = dict(head_from=planted / "base", epochs=1, **SMALL)
+    refresh(planted / "finetuned", planted / "prompts.txt", tmp_path / "out", **run)
+    lines = (planted / "prompts.txt").read_text().splitlines()
+    (tmp_path / "other.txt").write_text("\n".join(["the fool doth sing of winter rain", *lines[1:]]) + "\n")
+    with pytest.raises(ValueError, match="other settings"):
+        refresh(planted / "finetuned", tmp_path / "other.txt", tmp_path / "out", **run)
+    refresh(planted / "finetuned", planted / "prompts.txt", tmp_path / "out", **run)  # the same command resumes

@@ -113,7 +113,8 @@ def prepare(out: Path, corpus: Path, tok, size: dict) -> dict:
     general = [p for f in GENERAL_PROMPTS for p in read_prompts(f)][: size["general_prompts"]]
     general = [{"prompt": p.text, "chat": p.chat, "kind": p.kind} for p in general]
     train_docs = read_corpus(corpus / "train.jsonl")
-    refresh_prompts = cut_prompts(train_docs, tok, size["refresh_prompts"], context_tokens=512, min_left=128, seed=1)
+    refresh_prompts = cut_prompts(train_docs, tok, size["refresh_prompts"], context_tokens=512, min_left=128, seed=1,
+                                  per_file=8)
     sets = {"domain": domain, "windows": windows, "general": general, "refresh_prompts": refresh_prompts}
     sets_path.write_text(json.dumps(sets))
     with (out / "refresh_prompts.jsonl").open("w") as f:

@@ -119,30 +119,34 @@ def read_corpus(path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def cut_prompts(docs: list[dict], tokenizer, n: int, *, context_tokens: int, min_left: int,
-                seed: int = 0) -> list[dict]:
+def cut_prompts(docs: list[dict], tokenizer, n: int, *, context_tokens: int, min_left: int, seed: int = 0,
+                per_file: int = 1) -> list[dict]:
     """n prompts cut mid-file at a line start: the `context_tokens` tokens before the cut (at least half that),
-    with at least `min_left` tokens of the file after it, so a continuation has room to run. At most one prompt per
-    file, files drawn in a seeded order. Returns [{"prompt": text, "path", "kind": "code"}]."""
+    with at least `min_left` tokens of the file after it, so a continuation has room to run. At most `per_file`
+    prompts a file (distinct cuts), files drawn in a seeded order. Returns [{"prompt": text, "path", "kind":
+    "code"}]."""
     rng = random.Random(seed)
     order = list(range(len(docs)))
     rng.shuffle(order)
-    prompts = []
+    prompts, seen = [], set()
     for i in order:
         text = docs[i]["text"]
         ids = tokenizer(text)["input_ids"]
-        if len(ids) < context_tokens // 2 + min_left:
+        lo, hi = context_tokens // 2, len(ids) - min_left + 1
+        if hi <= lo:
             continue
-        cut_at = rng.randrange(context_tokens // 2, len(ids) - min_left + 1)
-        head = tokenizer.decode(ids[:cut_at])
-        line_start = head.rfind("\n") + 1  # cut at a line start: a continuation begins a line, as in an editor
-        context = tokenizer(head[:line_start])["input_ids"][-context_tokens:]
-        if len(context) < context_tokens // 2:
-            continue
-        prompts.append({"prompt": tokenizer.decode(context), "path": docs[i]["path"], "kind": "code"})
-        if len(prompts) == n:
-            break
-    if len(prompts) < n:
-        raise ValueError(f"only {len(prompts)} of {n} held-out files are long enough for a prompt of "
-                         f"{context_tokens} tokens with {min_left} after it")
-    return prompts
+        cuts = [rng.randrange(lo, hi)] if per_file == 1 else rng.sample(range(lo, hi), min(per_file, hi - lo))
+        for cut_at in cuts:
+            head = tokenizer.decode(ids[:cut_at])
+            line_start = head.rfind("\n") + 1  # cut at a line start: a continuation begins a line, as in an editor
+            context = tokenizer(head[:line_start])["input_ids"][-context_tokens:]
+            prompt = tokenizer.decode(context)
+            if len(context) < context_tokens // 2 or prompt in seen:  # two cuts in one line give one prompt
+                continue
+            seen.add(prompt)
+            prompts.append({"prompt": prompt, "path": docs[i]["path"], "kind": "code"})
+            if len(prompts) == n:
+                return prompts
+    raise ValueError(f"only {len(prompts)} of {n} prompts: too few files ({len(docs)}) are long enough for "
+                     f"{per_file} prompt(s) each of {context_tokens} tokens with {min_left} after it; build the "
+                     "corpus larger or ask for fewer prompts")

@@ -36,7 +36,9 @@ def test_prompts_cut_at_line_starts(corpus):
     docs = read_corpus(path / "train.jsonl")
     prompts = cut_prompts(docs, tok, 5, context_tokens=64, min_left=32)
     assert len({p["path"] for p in prompts}) == 5
-    for p in prompts:
+    several = cut_prompts(docs[:2], tok, 6, context_tokens=64, min_left=32, per_file=3)  # distinct cuts per file
+    assert len({p["prompt"] for p in several}) == 6 and len({p["path"] for p in several}) == 2
+    for p in prompts + several:
         text = next(d["text"] for d in docs if d["path"] == p["path"])
         at = text.find(p["prompt"])
         assert at >= 0 and text[at + len(p["prompt"]) - 1] == "\n"  # the prompt ends a line of the file

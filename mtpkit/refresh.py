@@ -22,17 +22,17 @@ import math
 import time
 from pathlib import Path
 
-from .checkpoint.graft import graft, read_head
+from .checkpoint.graft import NoHead, graft, head_keys
 from .checkpoint.hf import CheckpointError
 
 FASTMTP_WEIGHTS = [0.51, 0.31, 0.18]  # one shared layer trained at three chained depths, as k = 3 drafting uses it
 
 
 def head_layers(model_dir) -> int:
-    """The MTP layers of an HF directory's head; a one-line error when it has none."""
+    """The MTP layers of an HF directory's head (its config, not its tensors); a one-line error when it has none."""
     try:
-        keys = read_head(model_dir).config
-    except CheckpointError:
+        keys = head_keys(model_dir)
+    except NoHead:
         raise CheckpointError(f"{model_dir} has no MTP head (mtp.*): give --head-from BASE, the model it was "
                               "fine-tuned from (or an `mtpkit export --mtp-only` head file)") from None
     return int(keys.get("mtp_num_hidden_layers") or keys["num_nextn_predict_layers"])
@@ -72,7 +72,7 @@ def train_config(model_dir, features, run_dir, *, tokens: int, layers: int, dept
 
 def acceptance(model_dir, prompts: list[dict], *, device, dtype, ks, num_tokens: int, batch_size: int) -> dict:
     """Mean acceptance length (+- SE over prompts) and per-position acceptance at each k, greedy."""
-    from .bench.acceptance_se import accept_lengths_per_prompt, mean_length_se
+    from .bench.acceptance_se import decode_rows, length_figures
     from .checkpoint.hf import load_model
     from .kernels.compute_dtype import resolve
     from .tokenizer import encode_prompt, load_tokenizer
@@ -83,12 +83,9 @@ def acceptance(model_dir, prompts: list[dict], *, device, dtype, ks, num_tokens:
     rows = [encode_prompt(tok, p["prompt"], p["chat"]) for p in prompts]
     out = {}
     for k in ks:
-        lengths, per_position = accept_lengths_per_prompt(model, rows, k=k, num_tokens=num_tokens,
-                                                          eos_token_id=tok.eos_token_id, batch_size=batch_size)
-        mean, se = mean_length_se(lengths)
-        steps = sum(map(len, lengths))
-        out[str(k)] = {"mean_acceptance_length": mean, "se": se,
-                       "accepted_per_position": [a / steps for a in per_position]}
+        _, lengths, per_position = decode_rows(model, rows, k=k, num_tokens=num_tokens, eos_token_id=tok.eos_token_id,
+                                               batch_size=batch_size)
+        out[str(k)] = length_figures(lengths, per_position)
     return out
 
 

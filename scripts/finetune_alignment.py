@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 import mtpkit
 from mtpkit.assets import default_gguf_path
-from mtpkit.bench.acceptance_se import mean_length_se, paired_difference_se
+from mtpkit.bench.acceptance_se import decode_rows, length_figures, paired_difference_se
 from mtpkit.checkpoint.graft import graft
 from mtpkit.checkpoint.hf import save_model
 from mtpkit.datasets.code_corpus import build_code_corpus, cut_prompts, read_corpus
@@ -208,24 +208,12 @@ def losses(model, windows: list[list[int]], answers: list[list[list[int]]], devi
 @torch.inference_mode()
 def acceptance(model, rows: list[list[int]], eos, new_tokens: int, batch: int) -> dict:
     """Per k: the tokens kept per step of every prompt, per-position acceptance, identical to plain greedy."""
-    def run(k):
-        tokens, lengths, per_pos = [], [], [0] * k
-        for s in range(0, len(rows), batch):
-            res = mtpkit.generate(model, rows[s : s + batch], max_new_tokens=new_tokens, draft_tokens=k,
-                                  eos_token_id=eos)
-            tokens += res.tokens
-            lengths += res.accept_lengths
-            per_pos = [a + b for a, b in zip(per_pos, res.stats.get("accepted_per_position", []))]
-        return tokens, lengths, per_pos
-
-    plain, _, _ = run(0)
+    plain, _, _ = decode_rows(model, rows, k=0, num_tokens=new_tokens, eos_token_id=eos, batch_size=batch)
     out = {"new_tokens": statistics.mean(map(len, plain))}
     for k in KS:
-        tokens, lengths, per_pos = run(k)
-        mean, se = mean_length_se(lengths)
-        steps = sum(map(len, lengths))
-        out[str(k)] = {"mean_acceptance_length": mean, "se": se, "per_prompt": lengths,
-                       "accepted_per_position": [a / steps for a in per_pos], "identical": tokens == plain}
+        tokens, lengths, per_position = decode_rows(model, rows, k=k, num_tokens=new_tokens, eos_token_id=eos,
+                                                    batch_size=batch)
+        out[str(k)] = {**length_figures(lengths, per_position), "per_prompt": lengths, "identical": tokens == plain}
     return out
 
 

@@ -15,17 +15,27 @@ import statistics
 from ..decode.generate import generate
 
 
-def accept_lengths_per_prompt(model, rows: list[list[int]], *, k: int, num_tokens: int, eos_token_id=None,
-                              batch_size: int = 64, draft_vocab=None) -> tuple[list[list[int]], list[int]]:
-    """Greedy speculative decoding of every row at k draft tokens, `batch_size` rows at a time. Returns the tokens
-    kept per verification step of each row and the accepted drafts per draft position (summed over rows)."""
-    lengths, per_position = [], [0] * k
+def decode_rows(model, rows: list[list[int]], *, k: int, num_tokens: int, eos_token_id=None, batch_size: int = 64,
+                draft_vocab=None) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Greedy decoding of every row at k draft tokens (0: plain), `batch_size` rows at a time. Returns each row's
+    new tokens, the tokens kept per verification step of each row, and the accepted drafts per draft position
+    (summed over rows)."""
+    tokens, lengths, per_position = [], [], [0] * k
     for s in range(0, len(rows), batch_size):
         res = generate(model, rows[s : s + batch_size], max_new_tokens=num_tokens, draft_tokens=k,
                        eos_token_id=eos_token_id, draft_vocab=draft_vocab)
+        tokens.extend(res.tokens)
         lengths.extend(res.accept_lengths)
-        per_position = [a + b for a, b in zip(per_position, res.stats["accepted_per_position"])]
-    return lengths, per_position
+        if k:
+            per_position = [a + b for a, b in zip(per_position, res.stats["accepted_per_position"])]
+    return tokens, lengths, per_position
+
+
+def length_figures(lengths: list[list[int]], per_position: list[int]) -> dict:
+    """Mean acceptance length, its SE over prompts, and the acceptance rate per draft position."""
+    mean, se = mean_length_se(lengths)
+    steps = sum(map(len, lengths))
+    return {"mean_acceptance_length": mean, "se": se, "accepted_per_position": [a / steps for a in per_position]}
 
 
 def _residuals(lengths: list[list[int]]) -> tuple[float, list[float]]:

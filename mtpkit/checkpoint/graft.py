@@ -39,6 +39,10 @@ INDEX = "model.safetensors.index.json"
 _PER_EXPERT_PREFIX = re.compile(r"^(mtp\.layers\.\d+\.mlp\.experts)\.\d+\.")
 
 
+class NoHead(CheckpointError):
+    """An HF directory without `mtp.*` tensors."""
+
+
 @dataclass
 class Head:
     """An MTP head as stored in BASE: its tensors, config keys and (for an HF directory) family and width."""
@@ -86,15 +90,28 @@ def read_head(path) -> Head:
     except ConfigError as e:
         raise CheckpointError(f"{path}: {e}") from None
     source = _SafetensorsDir(path)
+    names, keys = _hf_head(path, source, text)
+    return Head({n: source.get(n) for n in names}, keys, text.get("model_type"), trunk)
+
+
+def head_keys(path) -> dict:
+    """The MTP config keys of an HF directory's head (as `read_head` gives them), without reading its tensors."""
+    path = Path(path)
+    return _hf_head(path, _SafetensorsDir(path), text_config_dict(_config(path))[0])[1]
+
+
+def _hf_head(path: Path, source: _SafetensorsDir, text: dict) -> tuple[list[str], dict]:
+    """The `mtp.*` tensor names of an HF directory and its MTP config keys (the layer count from the names where
+    config.json lacks it)."""
     names = [n for n in source.names() if is_mtp_param(n)]
     if not names:
-        raise CheckpointError(f"{path} has no mtp.* tensors: there is no head to graft (a checkpoint saved through "
-                              "transformers lost it; take the head from the released model)")
+        raise NoHead(f"{path} has no mtp.* tensors: there is no head to graft (a checkpoint saved through "
+                     "transformers lost it; take the head from the released model)")
     _sequential_only(path, names)
     keys = {k: v for k, v in text.items() if k.startswith("mtp_") or k == "num_nextn_predict_layers"}
     if "mtp_num_hidden_layers" not in keys and "num_nextn_predict_layers" not in keys:
         keys["mtp_num_hidden_layers"] = _depth(names)
-    return Head({n: source.get(n) for n in names}, keys, text.get("model_type"), trunk)
+    return names, keys
 
 
 def _sequential_only(path: Path, names) -> None:

@@ -6,6 +6,15 @@ import pytest
 import torch
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_route_store(tmp_path_factory):
+    """Decode routes measured in this test session only: never the user's store (~/.cache/mtpkit/routes)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MTPKIT_ROUTES", str(tmp_path_factory.mktemp("routes")))
+    yield
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> pathlib.Path:
     """SmolLM2-135M-Instruct.Q4_1.gguf (fetched once into the mtpkit cache if needed)."""

@@ -21,6 +21,13 @@ changed in place.
 
 Every candidate computes the same product; they may differ in the last bit of rounding, as any two BLAS
 kernels do, so greedy outputs can differ only at exact rounding ties.
+
+Whether a layer runs as the fused op (kernels/decode_layer.py) is decided by timing that layer both ways on the
+step that first needs it, not from its products' choices: one product measured at a tie with F.linear used to
+turn the fused layer off for every step of a process (plain decoding at 26 instead of 40 tok/s in one of four
+fresh processes). Ties go to the fused op, which makes one call where the modules make ~30 and so stays ahead when
+other work shares the cores. Choices and layer decisions are kept on disk per machine (route_store.py), so a new
+process neither calibrates again nor draws another set of routes.
 """
 
 from __future__ import annotations
@@ -37,9 +44,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..kernels import decode_layer, thin_matmul
 from ..kernels.linear import Linear
 from .cache import KVCache
+from .route_store import DRIFT, RouteStore, entry_key
 
 MAX_ROWS = 16  # wider products (large batches, prefill) are compute-bound: F.linear
 PADS = (2, 4, 8, 16)
+LAYER_TIE = 0.05  # the fused layer is kept unless the modules measured this much faster
 THIN = {f"thin{b}": b for b in thin_matmul.BLOCKS}  # the thin kernel's candidates -> weight rows per pass
 
 
@@ -96,10 +105,14 @@ class MatmulRouter:
     """Callable as `router(x, weight, bias)`: the measured-fastest way for CPU products with at most MAX_ROWS
     rows, F.linear otherwise. `weights()` gives the model's weights in model order, for calibration passes."""
 
-    def __init__(self, weights, repeats: int = 3, force: tuple[str, int] | None = None):
+    def __init__(self, weights, repeats: int = 3, force: tuple[str, int] | None = None,
+                 store: RouteStore | None = None):
         self.weights = weights
         self.repeats = repeats
         self.force = force  # one candidate for every shape (benchmarks compare the router against each)
+        self.store = None if force else store  # measurements kept on disk (route_store.py)
+        self.measured_rows: set[tuple] = set()  # (rows, dtype) calibrated by this process, not read from the store
+        self.timing_layer = False  # set while a layer's modules are timed: `layer` declines
         self.choice: dict[tuple, tuple[str, int]] = {}
         self.timings: dict[tuple, dict[tuple[str, int], float]] = {}  # key -> candidate -> fastest ms
         # decoder layer -> {(rows, threads, force): its _FusedLayer, or None where the modules run}
@@ -131,18 +144,19 @@ class MatmulRouter:
             return F.linear(x, weight, bias)
         key = self.key(rows, weight.dtype, weight.shape)
         if self.force is None and key not in self.choice:
-            self.calibrate(rows, weight)
+            self.ensure(rows, weight)
         how = self.force or self.choice[key]
         y = thin_product(x, self.operand(weight, how), how)
         return y if bias is None else y + bias
 
     def layer(self, layer, x: torch.Tensor, ctx, kv_cache) -> torch.Tensor | None:
-        """A cached step of decoder layer `layer` as one fused op (kernels/decode_layer.py) where the op computes
-        that layer and every one of its products at this row count goes to the thin kernel (measured or forced);
-        None otherwise, and before the products are calibrated: the modules then run, and calibrate them."""
+        """A cached step of decoder layer `layer` as one fused op (kernels/decode_layer.py) where the op computes that
+        layer and measured at least as fast as its modules at this row count; None otherwise, and before the
+        layer's products are calibrated (the modules then run, and calibrate them)."""
         rows = x.numel() // x.shape[-1]
-        if (rows > thin_matmul.MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu" or ctx.mask is None
-                or not isinstance(kv_cache, KVCache) or not kv_cache.k.is_contiguous() or torch.is_grad_enabled()):
+        if (self.timing_layer or rows > thin_matmul.MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu"
+                or ctx.mask is None or not isinstance(kv_cache, KVCache) or not kv_cache.k.is_contiguous()
+                or torch.is_grad_enabled()):
             return None
         known = self.fused.setdefault(layer, {})
         key = (rows, torch.get_num_threads(), self.force)
@@ -151,16 +165,27 @@ class MatmulRouter:
                 known[key] = None
             else:
                 weights = decode_layer.layer_weights(layer)
-                picks = [self.force or self.choice.get(self.key(rows, w.dtype, w.shape))
-                         for w in weights.products()]
-                if None in picks:
+                if self.force is None and any(self.key(rows, w.dtype, w.shape) not in self.timings
+                                              for w in weights.products()):
                     return None
-                thin = all(m in THIN for m, _ in picks)
-                known[key] = (_FusedLayer(weights, tuple(THIN[m] for m, _ in picks), weights.products())
-                              if thin else None)
+                fused = self._fused_layer(weights, rows)
+                known[key] = fused if fused and self._fused_wins(layer, fused, rows, x, ctx, kv_cache) else None
         fused = known[key]
-        if fused is None:
-            return None
+        return None if fused is None else self._run_fused(fused, x, ctx, kv_cache)
+
+    def _fused_layer(self, weights: decode_layer.LayerWeights, rows: int) -> _FusedLayer | None:
+        """The fused op's arguments, each product with its fastest thin block as calibrated (forced: the forced
+        candidate); None where a product has no thin block (the kernel is not built, or another route is forced)."""
+        blocks = []
+        for w in weights.products():
+            ms = {self.force: 0.0} if self.force else self.timings[self.key(rows, w.dtype, w.shape)]
+            thin = {c: t for c, t in ms.items() if c[0] in THIN}
+            if not thin:
+                return None
+            blocks.append(THIN[min(thin, key=thin.get)[0]])
+        return _FusedLayer(weights, tuple(blocks), weights.products())
+
+    def _run_fused(self, fused: _FusedLayer, x: torch.Tensor, ctx, kv_cache) -> torch.Tensor:
         versions = tuple(map(_version, fused.products))  # a few us: a weight changed in place is read anew
         if versions != fused.versions:
             fused.versions = versions
@@ -169,12 +194,81 @@ class MatmulRouter:
         return decode_layer.decode_layer(fused.reads, fused.blocks, x, ctx.rope, ctx.mask, kv_cache,
                                          ctx.cache_positions)
 
+    def _fused_wins(self, layer, fused: _FusedLayer, rows: int, x, ctx, kv_cache) -> bool:
+        """Time the layer as the fused op and as its modules on this step's own inputs (both write the same K/V to
+        the same cache slots, so repeating them changes nothing), or read that decision from the store."""
+        if self.force is not None:
+            return True
+        shapes = tuple(tuple(w.shape) for w in fused.products)
+        store_key = entry_key(torch.get_num_threads(), rows, "fused", shapes, fused.blocks)
+        stored = self.store.get("layers", store_key) if self.store is not None else None
+        if stored is not None and (rows, torch.float32) not in self.measured_rows:
+            return bool(stored["fused"])
+        best = {"fused": float("inf"), "modules": float("inf")}
+        self.timing_layer = True
+        try:
+            for rep in range(self.repeats + 1):
+                for way in (("fused", "modules") if rep % 2 else ("modules", "fused")):
+                    t = time.perf_counter()
+                    if way == "fused":
+                        self._run_fused(fused, x, ctx, kv_cache)
+                    else:
+                        layer(x, ctx, kv_cache)
+                    if rep:  # rep 0 warms up
+                        best[way] = min(best[way], time.perf_counter() - t)
+        finally:
+            self.timing_layer = False
+        wins = best["fused"] <= (1 + LAYER_TIE) * best["modules"]
+        if self.store is not None:
+            self.store.put("layers", {store_key: {"fused": wins, "ms": {k: 1e3 * v for k, v in best.items()}}})
+        return wins
+
+    def ensure(self, rows: int, weight: torch.Tensor) -> None:
+        """Routes for `rows` rows of weight's dtype: the store's, when a check pass confirms them, else measured
+        (and stored)."""
+        if self.store is not None and self._stored(rows, weight):
+            return
+        measured = self.calibrate(rows, weight)
+        self.measured_rows.add((rows, weight.dtype))
+        if self.store is not None:
+            self.store.put("products", {entry_key(*key): {"ms": {_label(c): t for c, t in self.timings[key].items()},
+                                                          "choice": _label(self.choice[key])} for key in measured})
+
+    def _calibration_weights(self, weight: torch.Tensor) -> list[torch.Tensor]:
+        """The model's weights of weight's dtype on the CPU, in model order, plus `weight` if it is not one of them."""
+        return list({w.data_ptr(): w for w in [*self.weights(), weight]
+                     if w.dtype == weight.dtype and w.device.type == "cpu"}.values())
+
     @torch.inference_mode()
-    def calibrate(self, rows: int, weight: torch.Tensor) -> None:
+    def _stored(self, rows: int, weight: torch.Tensor) -> bool:
+        """Take the stored routes of `rows` rows for every weight of weight's dtype, if all are stored and one timed
+        pass of them is not faster than the stored figures by more than DRIFT."""
+        ws = self._calibration_weights(weight)
+        keys = {tuple(w.shape): self.key(rows, w.dtype, w.shape) for w in ws}
+        entries = {key: self.store.get("products", entry_key(*key)) for key in keys.values()}
+        if None in entries.values():
+            return False
+        timings = {key: {_candidate(c): t for c, t in e["ms"].items()} for key, e in entries.items()}
+        choice = {key: _candidate(e["choice"]) for key, e in entries.items()}
+        xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(w.dtype) for w in ws}
+        operands = [self.operand(w, choice[keys[tuple(w.shape)]]) for w in ws]
+        for timed in (False, True):  # a warm-up pass, then the timed one
+            start = time.perf_counter()
+            for w, operand in zip(ws, operands):
+                thin_product(xs[w.shape[1]], operand, choice[keys[tuple(w.shape)]])
+            seconds = time.perf_counter() - start
+        if 1e3 * seconds < DRIFT * sum(timings[key][choice[key]] for key in set(keys.values())):
+            return False
+        self.timings.update(timings)
+        self.choice.update(choice)
+        return True
+
+    @torch.inference_mode()
+    def calibrate(self, rows: int, weight: torch.Tensor) -> list[tuple]:
         """Time every candidate for `rows` rows over the model's weights of weight's dtype (plus `weight` if it
-        is not one of them, e.g. a draft-vocabulary slice), after one untimed warm-up pass each."""
-        ws = list({w.data_ptr(): w for w in [*self.weights(), weight]
-                   if w.dtype == weight.dtype and w.device.type == "cpu"}.values())
+        is not one of them, e.g. a draft-vocabulary slice), after one untimed warm-up pass each; returns the keys
+        it measured."""
+        ws = self._calibration_weights(weight)
         xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(w.dtype) for w in ws}
         cands = candidates(rows, weight.dtype)
         operands = {c: [self.operand(w, c) for w in ws] for c in cands}  # resolved outside the timed calls
@@ -189,23 +283,37 @@ class MatmulRouter:
                 if rep:  # rep 0 warms up (oneDNN builds its kernels on first use)
                     for shape, s in total.items():
                         samples[shape][c].append(s)
+        keys = []
         for shape, per in samples.items():
             key = self.key(rows, weight.dtype, shape)
             self.timings[key] = {c: 1e3 * min(s) for c, s in per.items()}  # min: other load only adds
             self.choice[key] = min(self.timings[key], key=self.timings[key].get)
+            keys.append(key)
+        return keys
 
     def table(self) -> list[dict]:
         """One row per (threads, rows, dtype, shape) measured: each candidate's ms and the choice."""
         return [{"threads": k[0], "rows": k[1], "dtype": str(k[2]).removeprefix("torch."), "shape": k[3],
-                 "ms": {f"{m}@{p}": t for (m, p), t in v.items()}, "choice": "{}@{}".format(*self.choice[k])}
+                 "ms": {_label(c): t for c, t in v.items()}, "choice": _label(self.choice[k])}
                 for k, v in sorted(self.timings.items(), key=lambda kv: (kv[0][1], str(kv[0][2]), kv[0][3]))]
+
+
+def _label(candidate: tuple[str, int]) -> str:
+    """('thin2', 1) -> 'thin2@1', as `table` and the store write a candidate."""
+    return "{}@{}".format(*candidate)
+
+
+def _candidate(label: str) -> tuple[str, int]:
+    """'thin2@1' -> ('thin2', 1)."""
+    method, _, padded = label.partition("@")
+    return method, int(padded)
 
 
 _routers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def router_for(model) -> MatmulRouter:
-    """The model's router, made once per model object (its measurements last as long as the model)."""
+    """The model's router, made once per model object, with this machine's route store."""
     if model not in _routers:
         ref = weakref.ref(model)
 
@@ -213,5 +321,5 @@ def router_for(model) -> MatmulRouter:
             m = ref()
             return [mod.weight for mod in m.modules() if isinstance(mod, Linear)] + [m.output_weight]
 
-        _routers[model] = MatmulRouter(weights)
+        _routers[model] = MatmulRouter(weights, store=RouteStore.default())
     return _routers[model]

@@ -138,6 +138,7 @@ def acceptance_figures(spec: DraftSpec, stats: list[dict]) -> dict:
         "draft_min_prob": spec.draft_min_prob,
         "draft_widths": list(spec.draft_widths),
         "draft_lookup": spec.draft_lookup,
+        "auto": spec.auto,
         "context_drafted_share": sum(s["context_drafted_steps"] for s in stats) / max(steps, 1),
         "verified_tokens_per_step": sum((s["verified_tokens_per_step"] or 0) * s["verification_steps"]
                                         for s in stats) / max(steps, 1),

@@ -59,6 +59,7 @@ def run(args) -> int:
     from ..bench.hf_baseline import load_hf_baseline
     from ..bench.report import label, plot, render, render_contexts
     from ..bench.speedup import run_bench
+    from ..decode.draft_spec import DraftSpec
     from ..decode.int8 import model_dtype
     from ..loading import load_for_decoding
     from ..models.multimodal import load_processor
@@ -91,6 +92,8 @@ def run(args) -> int:
                                                      draft_vocab="full" if args.full_vocab else None, vision=vision)
     if model.drafter is None and any(s.draft_tokens for s in specs):
         raise ValueError(f"{path} has no MTP head: pass one with --mtp (train one with mtpkit train, mtp.only = true)")
+    if args.draft_auto:
+        specs.append(DraftSpec.automatic(model))
     hf = load_hf_baseline(path, dtype) if baselines else None
     bench = dict(num_tokens=args.num_tokens, specs=specs, temperature=args.temperature,
                  repeats=args.repeats, eos_token_id=tokenizer.eos_token_id, hf_model=hf, baselines=baselines,

@@ -13,22 +13,34 @@ def numbers(text: str, kind, flag: str) -> list:
         raise ValueError(f"{flag} takes comma-separated numbers, got {text!r}") from None
 
 
+KNOBS = ("draft_tokens", "draft_min_prob", "draft_widths", "draft_lookup")
+
+
 def add_arguments(p, grid: bool) -> None:
-    """The drafting flags; grid: each takes a comma-separated list (--draft-widths: one tree per value)."""
+    """The drafting flags; grid: each takes a comma-separated list (--draft-widths: one tree per value). For one
+    configuration the knobs default to None, so that giving any of them fixes the configuration in place of auto."""
     each = " (comma-separated: one row per value)" if grid else ""
-    p.add_argument("--draft-tokens", type=str if grid else int, default="1,2,3" if grid else 0,
+    if grid:
+        p.add_argument("--draft-auto", action="store_true",
+                       help="also a row for draft auto (each step chooses whether and how far to draft)")
+    else:
+        p.add_argument("--draft", choices=("auto", "off"),
+                       help="auto (the default): each step chooses, for the text at hand and this machine, whether "
+                            "and how far to draft from the head or the context; off: plain decoding. Any --draft-* "
+                            "knob below fixes one configuration instead")
+    p.add_argument("--draft-tokens", type=str if grid else int, default="1,2,3" if grid else None,
                    metavar="K[,K...]" if grid else "K",
                    help="tokens drafted per step by the MTP head (0: plain; with --draft-lookup, context drafts "
                         "only, no head needed)" + each)
-    p.add_argument("--draft-min-prob", type=str if grid else float, default="0" if grid else 0.0,
+    p.add_argument("--draft-min-prob", type=str if grid else float, default="0" if grid else None,
                    metavar="P[,P...]" if grid else "P",
                    help="stop a step's drafting after a draft the head gives less than this probability (0: off)"
                         + each)
-    p.add_argument("--draft-widths", nargs="+" if grid else None, default=[] if grid else "", metavar="W[,W...]",
+    p.add_argument("--draft-widths", nargs="+" if grid else None, default=[] if grid else None, metavar="W[,W...]",
                    help="verify a draft tree: tokens per draft position, e.g. 3,2 (the head's top 3 at position 1, "
                         "top 2 at 2, the draft alone after); attention-only trunks"
                         + (" (one tree per value, each k runs with the chain and each)" if grid else ""))
-    p.add_argument("--draft-lookup", type=str if grid else int, default="0" if grid else 0,
+    p.add_argument("--draft-lookup", type=str if grid else int, default="0" if grid else None,
                    metavar="L[,L...]" if grid else "L",
                    help="draft up to L tokens looked up in the context where its last tokens occurred before, in "
                         "place of the MTP's chain (prompt-lookup decoding; 0: off)" + each)
@@ -36,10 +48,17 @@ def add_arguments(p, grid: bool) -> None:
                    help="lengths of the context's last tokens to match for --draft-lookup, longest first")
 
 
-def spec_from_args(args) -> DraftSpec:
-    """`mtpkit generate`'s one configuration."""
-    return DraftSpec(args.draft_tokens, args.draft_min_prob, tuple(numbers(args.draft_widths, int, "--draft-widths")),
-                     args.draft_lookup, _ngram(args))
+def spec_from_args(args) -> DraftSpec | str:
+    """`mtpkit generate`'s one configuration: the knobs given, else "auto" (what `generate(draft=...)` takes), or
+    plain decoding with --draft off."""
+    given = [k for k in KNOBS if getattr(args, k) is not None]
+    if given and args.draft:
+        raise ValueError(f"--draft {args.draft} and --{given[0].replace('_', '-')} both say how to draft: give one")
+    if not given:
+        return DraftSpec() if args.draft == "off" else "auto"
+    return DraftSpec(args.draft_tokens or 0, args.draft_min_prob or 0.0,
+                     tuple(numbers(args.draft_widths or "", int, "--draft-widths")), args.draft_lookup or 0,
+                     _ngram(args))
 
 
 def grid_from_args(args) -> list[DraftSpec]:

@@ -1,6 +1,7 @@
-"""`mtpkit generate [--model PATH] --prompt TEXT [--image PNG ...] [--draft-tokens K]`: print a completion (streamed
-in a terminal), then one stats line. Like `mtpkit bench`, without --model it runs the embedded SmolLM2 model, and
-on that model it drafts with the shipped MTP head unless --mtp names another."""
+"""`mtpkit generate [--model PATH] --prompt TEXT [--image PNG ...] [--draft auto|off | --draft-tokens K ...]`: print a
+completion (streamed in a terminal), then one stats line. Drafting is `auto` unless a knob fixes it. Like `mtpkit
+bench`, without --model it runs the embedded SmolLM2 model, and on that model it drafts with the shipped MTP head
+unless --mtp names another."""
 
 from __future__ import annotations
 
@@ -60,10 +61,11 @@ class TextStream:
         self.printed = text
 
 
-def stats_line(stats: dict, k: int, gated: bool = False) -> str:
+def stats_line(stats: dict, label: str, gated: bool = False) -> str:
+    """One line of figures; label names the drafting ("k=3", "auto"); gated adds the drafts per step."""
     line = f"{stats['new_tokens']} tokens in {stats['seconds']:.2f} s, {stats['tokens_per_second']:.1f} tokens/s"
     if stats["acceptance_rate"] is not None:
-        line += (f", k={k}: acceptance rate {stats['acceptance_rate']:.1%}, mean acceptance length "
+        line += (f", {label}: acceptance rate {stats['acceptance_rate']:.1%}, mean acceptance length "
                  f"{stats['mean_acceptance_length']:.2f}")
         if stats["context_drafted_steps"]:
             line += f", {stats['context_drafted_steps']} of {stats['verification_steps']} steps drafted from context"
@@ -97,5 +99,6 @@ def run(args) -> int:
     )
     stream.close()
     print()
-    print(stats_line(result.stats, spec.draft_tokens, gated=spec.draft_min_prob > 0))
+    auto = spec == "auto"
+    print(stats_line(result.stats, "auto" if auto else spec.label, gated=auto or spec.draft_min_prob > 0))
     return 0

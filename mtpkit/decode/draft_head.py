@@ -58,25 +58,30 @@ class DraftHead:
         self.weight = weight
 
     def __call__(self, hidden: torch.Tensor, generator, width: int = 1) -> HeadDraft:
-        """MTP output [B, H] -> one draft per row, its q, its gate and, for width w > 1, the w - 1 next most likely
-        ids (see `HeadDraft`)."""
+        """MTP output [B, H] -> one draft per row, its q, its gate, for width w > 1 the w - 1 next most likely ids,
+        and its probability under the head (see `HeadDraft`)."""
         logits = linear(hidden, self.weight) if self.projection is None else self.projection(hidden)  # [B, V or N]
         if self.params.greedy:
             top = logits.topk(width, dim=-1).indices if width > 1 else logits.argmax(dim=-1, keepdim=True)
             idx, others = top[:, 0], (self._ids(top[:, 1:]) if width > 1 else None)
-            sure = None
-            if self.min_prob:  # softmax at the argmax = exp(max - logsumexp): one pass over the draft vocabulary
-                best = logits.gather(1, idx[:, None])[:, 0].float()
-                sure = (best - logits.float().logsumexp(dim=-1)).exp() >= self.min_prob
-            return HeadDraft(self._ids(idx), None, sure, others)
-        q = probs(logits, self.params)
-        idx = sample(q, generator)
-        sure = q.gather(1, idx[:, None])[:, 0] >= self.min_prob if self.min_prob else None
-        # the most likely ids besides the one drawn (q of the drawn one set below any probability)
-        others = self._ids(q.scatter(1, idx[:, None], -1.0).topk(width - 1, dim=-1).indices) if width > 1 else None
-        if self.vocab is not None:
-            q = q.new_zeros(q.shape[0], self.vocab_size).index_copy_(1, self.vocab, q)
-        return HeadDraft(self._ids(idx), q, sure, others)
+            # softmax at the argmax = exp(max - logsumexp): one pass over the draft vocabulary
+            confidence = (logits.gather(1, idx[:, None])[:, 0].float() - logits.float().logsumexp(dim=-1)).exp()
+            q = None
+        else:
+            q = probs(logits, self.params)
+            idx = sample(q, generator)
+            confidence = q.gather(1, idx[:, None])[:, 0]
+            # the most likely ids besides the one drawn (q of the drawn one set below any probability)
+            others = self._ids(q.scatter(1, idx[:, None], -1.0).topk(width - 1, dim=-1).indices) if width > 1 else None
+            if self.vocab is not None:
+                q = q.new_zeros(q.shape[0], self.vocab_size).index_copy_(1, self.vocab, q)
+        sure = confidence >= self.min_prob if self.min_prob else None
+        return HeadDraft(self._ids(idx), q, sure, others, confidence)
+
+    def top(self, hidden: torch.Tensor) -> torch.Tensor:
+        """MTP outputs [..., H] -> the head's most likely token id at each."""
+        logits = linear(hidden, self.weight) if self.projection is None else self.projection(hidden)
+        return self._ids(logits.argmax(dim=-1))
 
     def _ids(self, idx: torch.Tensor) -> torch.Tensor:
         """Indices into the drafting rows -> token ids."""
@@ -88,3 +93,4 @@ class HeadDraft(NamedTuple):
     q: torch.Tensor | None  # [B, V] the draft distribution over the full vocabulary; None when greedy
     sure: torch.Tensor | None  # [B] bool, when gating: the draft is confident enough to draft on after it
     others: torch.Tensor | None  # [B, w - 1] the next most likely ids, most likely first, for a draft tree
+    confidence: torch.Tensor  # [B] the head's probability of the draft (greedy: its top-1 probability)

@@ -18,6 +18,8 @@ DEFAULT_NGRAM = (2, 4)
 # well past any configuration that pays off (docs/MTP.md's measured rows verify a few tokens to a few tens), and
 # small enough that the cache and the benchmark's step-cost table stay small
 MAX_VERIFIED_TOKENS = 256
+# draft="auto": up to 3 head drafts (the depth the shipped heads are trained to) and 8 context drafts a step
+AUTO_HEAD_DRAFTS, AUTO_CONTEXT_DRAFTS = 3, 8
 
 
 def _count(value, rule: str) -> int:
@@ -37,14 +39,17 @@ class DraftSpec:
     draft_min_prob = p > 0 a row stops after a draft its head gives less than p; draft_widths = (w_1, ...)
     verifies a draft tree (the head's top w_d at position d; cut to k, () is a chain); draft_lookup = L drafts up
     to L tokens from the context where a row's last n tokens (n in draft_lookup_ngram = (min, max)) occurred
-    before, in place of the MTP's chain (k = 0: no head needed). Construction checks the knobs; `check` checks
-    them against a model."""
+    before, in place of the MTP's chain (k = 0: no head needed). auto: each step chooses for each row, up to
+    draft_tokens head drafts and draft_lookup context drafts, whether and how far to draft, from what it measures as
+    it decodes (`decode/auto_policy.py`; `DraftSpec.automatic`). Construction checks the knobs; `check` checks them
+    against a model."""
 
     draft_tokens: int = 0
     draft_min_prob: float = 0.0
     draft_widths: tuple[int, ...] = ()
     draft_lookup: int = 0
     draft_lookup_ngram: tuple[int, int] = DEFAULT_NGRAM
+    auto: bool = False
 
     def __post_init__(self):
         k = _count(self.draft_tokens, "draft_tokens must be >= 0 and an integer")
@@ -64,9 +69,19 @@ class DraftSpec:
         object.__setattr__(self, "draft_min_prob", float(self.draft_min_prob))
         object.__setattr__(self, "draft_widths", widths)
         object.__setattr__(self, "draft_lookup_ngram", (int(ngram[0]), int(ngram[1])))
+        if self.auto and (self.draft_min_prob or widths):
+            raise ValueError("draft auto chooses its own gating and does not verify draft trees: leave "
+                             "draft_min_prob and draft_widths out")
         if self.most_verified > MAX_VERIFIED_TOKENS:
             raise ValueError(f"{self.label} verifies up to {self.most_verified} tokens a step; at most "
                              f"{MAX_VERIFIED_TOKENS}: use fewer draft tokens, a shorter lookup or narrower widths")
+
+    @classmethod
+    def automatic(cls, model, head_drafts: int = AUTO_HEAD_DRAFTS, context_drafts: int = AUTO_CONTEXT_DRAFTS):
+        """`auto` for `model`: head drafts where it has a sequential MTP module (parallel heads draft a fixed
+        block), context drafts always."""
+        sequential = model.drafter is not None and model.mtp_heads is None
+        return cls(head_drafts if sequential else 0, draft_lookup=context_drafts, auto=True)
 
     @property
     def speculates(self) -> bool:
@@ -88,6 +103,8 @@ class DraftSpec:
         """k=3, k=3 p=0.3 when gated, k=3 w=3,2 for a draft tree of those widths, k=3 lookup=4 with context drafts
         of up to 4 tokens."""
         p, widths, lookup = self.draft_min_prob, self.draft_widths, self.draft_lookup
+        if self.auto:
+            return "auto"
         return (f"k={self.draft_tokens}" + (f" p={p:g}" if p else "")
                 + (f" w={','.join(map(str, widths))}" if widths else "") + (f" lookup={lookup}" if lookup else ""))
 

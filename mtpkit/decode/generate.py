@@ -28,7 +28,7 @@ from . import draft_head, tree
 from . import verify as verification
 from .cache import Cache
 from .draft_spec import DEFAULT_NGRAM, DraftSpec
-from .drafters import Drafter, DraftSetup, Prefill, build_drafter
+from .drafters import Drafter, DraftSetup, Prefill, Verified, build_drafter
 from .matmul_routing import router_for
 from .sampling import SamplingParams, select
 from .state import DecodeState, StepResult
@@ -187,7 +187,7 @@ def generate(
     prompts: torch.Tensor | Sequence[Sequence[int] | dict],
     *,
     max_new_tokens: int,
-    draft: DraftSpec | None = None,
+    draft: DraftSpec | str | None = None,
     draft_tokens: int = 0,
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -204,11 +204,13 @@ def generate(
 ) -> GenerateResult:
     """Decode up to max_new_tokens new tokens per prompt (rows of token ids, or for a vision-language model
     dicts from `mtpkit.image_inputs` with the image patches), plainly or self-speculatively as `draft` says (a
-    `DraftSpec`; or its knobs as keyword arguments: draft_tokens, draft_min_prob, draft_widths, draft_lookup,
-    draft_lookup_ngram, see `DraftSpec`). Drafts are verified in one trunk forward per step (lossless: greedy
-    output is token for token the same, sampled output has exactly the same distribution). `draft_vocab`
-    restricts drafting to those ids; by default the head's own (`model.drafter.draft_vocab`, from a head trained
-    with mtp.draft_vocab), "full" drafts over the whole vocabulary.
+    `DraftSpec`; "auto": each step chooses for each row whether and how far to draft from the head or the
+    context, from the acceptance and step costs it measures, `DraftSpec.automatic`; or the knobs as keyword
+    arguments: draft_tokens, draft_min_prob, draft_widths, draft_lookup, draft_lookup_ngram, see `DraftSpec`).
+    Drafts are verified in one trunk forward per step (lossless: greedy output is token for token the same,
+    sampled output has exactly the same distribution). `draft_vocab` restricts drafting to those ids; by default
+    the head's own (`model.drafter.draft_vocab`, from a head trained with mtp.draft_vocab), "full" drafts over the
+    whole vocabulary.
     `on_tokens(row, ids)` is called with every row's new tokens as they are produced (for streaming).
     `on_hidden(rows, hidden [b, n, H])`, plain decoding only, is called with the trunk's post-norm hidden states
     of every token a forward reads (the prompt, then each new token but the last), for those prompt rows: a
@@ -216,6 +218,10 @@ def generate(
     knobs = DraftSpec(draft_tokens, draft_min_prob, tuple(draft_widths), draft_lookup, tuple(draft_lookup_ngram))
     if draft is not None and knobs != DraftSpec():
         raise ValueError("give the drafting knobs either as draft=DraftSpec(...) or as keyword arguments, not both")
+    if isinstance(draft, str):
+        if draft != "auto":
+            raise ValueError(f"draft must be a DraftSpec, 'auto' or None, not {draft!r}")
+        draft = DraftSpec.automatic(model)
     spec = draft or knobs
     params = SamplingParams(temperature, top_k, top_p)
     cfg = model.config
@@ -283,12 +289,17 @@ def _decode(model, rows, vision, book: _Bookkeeper, params, generator, drafter, 
                   weight.device)
     state = _prefill(model, cache, rows, vision, params, generator, drafter, on_hidden)
     keep = book.emit([[t] for t in state.last.tolist()])
+    # a drafter that adapts (drafters/auto.py) is told each step's outcome, and when decoding ends
+    observed, finish = getattr(drafter, "observed", None), getattr(drafter, "finish", None)
     while keep:
         if len(keep) < state.batch:  # some rows stopped: drop them from the batch
             state = state.select(keep)
         drafts = drafter.propose(state, book.live) if drafter is not None else None
         if drafts is None:
             result = _plain_step(model, state, params, generator)
+            if drafter is not None:  # a drafter that let the step go plain still follows the text
+                result = result._replace(drafter_state=drafter.advance(state, Verified(
+                    torch.zeros_like(state.last), result.tokens, result.trunk_hidden[:, None])))
         else:
             result = _speculative_step(model, state, drafts, drafter, params, generator)
         book.forward_passes += 1
@@ -303,4 +314,8 @@ def _decode(model, rows, vision, book: _Bookkeeper, params, generator, drafter, 
             verified = [(*h[:3], m) for h, m in zip(host, drafts.looked_up or [False] * state.batch)]
         keep = book.emit([h[3 : h[0] + 4] for h in host], verified)
         state = state.advanced(result, [h[0] for h in host])
+        if observed is not None:
+            observed([h[0] for h in host])
+    if finish is not None:
+        finish()
     return GenerateResult(book.tokens, book.stats(time.perf_counter() - start), book.accept_lengths)

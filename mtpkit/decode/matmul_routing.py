@@ -113,6 +113,7 @@ class MatmulRouter:
         self.store = None if force else store  # measurements kept on disk (route_store.py)
         self.measured_rows: set[tuple] = set()  # (rows, dtype) calibrated by this process, not read from the store
         self.timing_layer = False  # set while a layer's modules are timed: `layer` declines
+        self.measuring = 0.0  # seconds spent measuring (calibrations, check passes, layer timings): step timers
         self.choice: dict[tuple, tuple[str, int]] = {}
         self.timings: dict[tuple, dict[tuple[str, int], float]] = {}  # key -> candidate -> fastest ms
         # decoder layer -> {(rows, threads, force): its _FusedLayer, or None where the modules run}
@@ -205,6 +206,7 @@ class MatmulRouter:
         if stored is not None and (rows, torch.float32) not in self.measured_rows:
             return bool(stored["fused"])
         best = {"fused": float("inf"), "modules": float("inf")}
+        start = time.perf_counter()
         self.timing_layer = True
         try:
             for rep in range(self.repeats + 1):
@@ -218,6 +220,7 @@ class MatmulRouter:
                         best[way] = min(best[way], time.perf_counter() - t)
         finally:
             self.timing_layer = False
+            self.measuring += time.perf_counter() - start
         wins = best["fused"] <= (1 + LAYER_TIE) * best["modules"]
         if self.store is not None:
             self.store.put("layers", {store_key: {"fused": wins, "ms": {k: 1e3 * v for k, v in best.items()}}})
@@ -226,9 +229,13 @@ class MatmulRouter:
     def ensure(self, rows: int, weight: torch.Tensor) -> None:
         """Routes for `rows` rows of weight's dtype: the store's, when a check pass confirms them, else measured
         (and stored)."""
-        if self.store is not None and self._stored(rows, weight):
-            return
-        measured = self.calibrate(rows, weight)
+        start = time.perf_counter()
+        try:
+            if self.store is not None and self._stored(rows, weight):
+                return
+            measured = self.calibrate(rows, weight)
+        finally:
+            self.measuring += time.perf_counter() - start
         self.measured_rows.add((rows, weight.dtype))
         if self.store is not None:
             self.store.put("products", {entry_key(*key): {"ms": {_label(c): t for c, t in self.timings[key].items()},

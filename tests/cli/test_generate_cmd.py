@@ -76,7 +76,7 @@ def test_context_drafts_without_a_head_print_the_same_text(model_dir, capsys):
     assert code == 0, err
     text, stats = out.rstrip("\n").split("\n")
     assert text == expected_text(model_dir, prompt, 24)
-    assert re.search(r"k=0: acceptance rate [\d.]+%, mean acceptance length [\d.]+, \d+ of \d+ steps drafted from "
+    assert re.search(r"k=0 lookup=3: acceptance rate [\d.]+%, mean acceptance length [\d.]+, \d+ of \d+ steps drafted from "
                      r"context$", stats)
 
 

@@ -23,6 +23,7 @@ class Drafts(NamedTuple):
     alternatives: torch.Tensor | None = None
     widths: tuple[int, ...] = ()  # the draft tree's tokens per position that `alternatives` hold (() for a chain)
     looked_up: list[bool] | None = None  # per row, on the host: its drafts came from the context (statistics)
+    confidence: torch.Tensor | None = None  # [B, K] the head's probability of each draft (None: not the head's)
 
 
 class Prefill(NamedTuple):

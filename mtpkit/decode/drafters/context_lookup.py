@@ -43,6 +43,14 @@ class ContextDrafts(NamedTuple):
         """Every row matched: MTP depths past a draft tree's are not needed."""
         return all(self.matched)
 
+    @classmethod
+    def of(cls, found: list[list[int]], pads: list[int], device) -> ContextDrafts:
+        """Each row's drafts found (possibly none), padded with that row's `pads` token to the longest."""
+        width = max(1, max(map(len, found)))
+        padded = [f + [pad] * (width - len(f)) for f, pad in zip(found, pads)]
+        return cls(torch.tensor(padded, device=device), torch.tensor(list(map(len, found)), device=device),
+                   [bool(f) for f in found])
+
 
 class ContextLookup:
     """Per row: its tokens so far (prompt and emitted) and where each n-gram last ended, for `propose`."""
@@ -81,10 +89,7 @@ class ContextLookup:
         found = [self.propose(r) for r in rows]
         if not any(found):
             return None
-        width = max(map(len, found))
-        padded = [f + [self.sequences[r][-1]] * (width - len(f)) for f, r in zip(found, rows)]
-        return ContextDrafts(torch.tensor(padded, device=device), torch.tensor(list(map(len, found)), device=device),
-                             [bool(f) for f in found])
+        return ContextDrafts.of(found, [self.sequences[r][-1] for r in rows], device)
 
 
 def point_masses(tokens: torch.Tensor, vocab_size: int, dtype) -> torch.Tensor:
@@ -113,7 +118,9 @@ def with_context(drafts: Drafts, context: ContextDrafts, vocab_size: int) -> Dra
         top = torch.cat([drafts.tokens[:, d : d + 1], mine], 1)  # [B, w]
         order = (top == chain[:, d : d + 1]).long().argsort(dim=1, stable=True)
         alternatives.append(torch.where(matched[:, None], top.gather(1, order)[:, : w - 1], mine))
-    return Drafts(tokens, q, count, torch.cat(alternatives, 1) if alternatives else None, drafts.widths)
+    confidence = None if drafts.confidence is None else F.pad(drafts.confidence, (0, K - drafts.confidence.shape[1]))
+    return Drafts(tokens, q, count, torch.cat(alternatives, 1) if alternatives else None, drafts.widths,
+                  confidence=confidence)
 
 
 def context_only(context: ContextDrafts, params: SamplingParams, vocab_size: int) -> Drafts:

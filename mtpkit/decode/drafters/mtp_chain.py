@@ -15,34 +15,41 @@ from ..state import DecodeState
 from .base import Drafts, DraftSetup, Prefill, Verified
 
 
-def draft(model, state: DecodeState, *, k: int, head: DraftHead, generator, widths: tuple[int, ...] = ()) -> Drafts:
+def draft(model, state: DecodeState, *, k: int, head: DraftHead, generator, widths: tuple[int, ...] = (),
+          keep=None) -> Drafts:
     """Up to k draft tokens per row, chaining the MTP from `state.drafter_state` [B, H]. With gating a row stops
-    after its first draft that is not confident; once every row has stopped the remaining draft steps are skipped
-    (one device read per step). Without gating count = K = k. `widths[d - 1]` = w > 1 also returns the head's
-    w - 1 next most likely tokens at depth d as `alternatives` (a draft tree, `decode/tree.py`); the chain follows
-    the first draft only."""
+    after its first draft that is not confident (the head's min_prob, or keep(depth, confidence [B]) -> [B] bool:
+    whether each row drafts on); once every row has stopped the remaining draft steps are skipped (one device read
+    per step). Without gating count = K = k. `widths[d - 1]` = w > 1 also returns the head's w - 1 next most
+    likely tokens at depth d as `alternatives` (a draft tree, `decode/tree.py`); the chain follows the first draft
+    only."""
     hidden = state.drafter_state
-    tokens, qs, others = [], [], []
+    tokens, qs, others, confidences = [], [], [], []
     going = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)  # row drafts at this depth
     count = torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device)
     for depth in range(1, k + 1):
         if depth > 1:
-            if head.min_prob and not bool(going.any()):
+            if (head.min_prob or keep is not None) and not bool(going.any()):
                 break
             # chain: the previous draft and the MTP's own post-norm output, one position further
             slots = state.slots(1, offset=depth - 2)
             hidden = model.mtp_step(tokens[-1][:, None], hidden[:, None], state.rope_positions(slots), depth,
                                     state.cache, slots, kv_len=state.top_slot + depth - 1)[:, 0]
-        token, q, sure, alternatives = head(hidden, generator, widths[depth - 1] if depth <= len(widths) else 1)
+        token, q, sure, alternatives, confidence = head(hidden, generator,
+                                                        widths[depth - 1] if depth <= len(widths) else 1)
         tokens.append(token)
         qs.append(q)
+        confidences.append(confidence)
         if alternatives is not None:
             others.append(alternatives)
         count += going
-        if sure is not None:
+        if keep is not None:
+            going &= keep(depth, confidence)
+        elif sure is not None:
             going &= sure
     return Drafts(torch.stack(tokens, 1), None if qs[0] is None else torch.stack(qs, 1), count,
-                  torch.cat(others, 1) if others else None, widths[: len(tokens)])
+                  torch.cat(others, 1) if others else None, widths[: len(tokens)],
+                  confidence=torch.stack(confidences, 1))
 
 
 def mtp_extend(model, state: DecodeState, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ def draft(hidden: torch.Tensor, head: DraftHead, generator) -> Drafts:
     gating a row proposes its drafts up to its first unconfident one, as the sequential MTP does; without,
     count = K = k."""
     B, k, H = hidden.shape
-    ids, q, sure, _ = head(hidden.reshape(B * k, H), generator)  # one lm_head product for every head
+    ids, q, sure, _, _ = head(hidden.reshape(B * k, H), generator)  # one lm_head product for every head
     drafts, q = ids.view(B, k), None if q is None else q.view(B, k, -1)
     if sure is None:
         return Drafts(drafts, q, torch.full((B,), k, dtype=torch.long, device=hidden.device))

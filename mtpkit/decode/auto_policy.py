@@ -1,0 +1,226 @@
+"""The decisions of `draft="auto"` (drafters/auto.py): per row and step, decode plainly or draft from the MTP head or
+from the context, and how far, by the expected tokens per second of each plan, from figures measured as it decodes.
+
+A plan's expected tokens: 1 + sum_j prod_{i <= j} a_i over its draft positions j, where a_i = P(draft i accepted |
+drafts before it accepted) is estimated per draft source and position from the row's own recent steps (counts
+decayed by `ROW_DECAY` a step), shrunk toward the batch's (decayed by `BATCH_DECAY`) and a uniform prior, plus an
+optimism bonus that fades as the row tries position i. Its cost: the measured seconds of a step that verifies n
+tokens (`StepCosts.verify(n)`, the median of recent ones) plus, for the head, the measured seconds of each draft
+depth. The head's chain is also cut short draft by draft (gating, `keep_drafting`): after draft d, whose head
+probabilities make P(drafts 1..d all accepted) = P (each q fitted to P(accepted | q) as it decodes, `Calibration`),
+the row drafts on only if drafting on to some depth m pays: P * sum_{j=d+1..m} prod a tokens, priced at the plan's
+seconds per token, against m - d draft steps and verified rows. So no threshold, depth or source is fixed in
+advance: the figures that decide them move with the prompt, the context length and the machine.
+
+A row still produces acceptance figures for the sources it does not use, at no cost to it: the drafter scores what
+the head and the context would have drafted against the tokens the row went on to emit (drafters/auto.py), so a row
+switches back to drafting, or to another source, where that starts paying again. Decisions only pick what is
+drafted; verification is unchanged, so output stays exact.
+
+Step costs are also kept on disk (decode/route_store.py, "steps": per machine, model shape, threads and dtype), so a
+new process starts from the last one's figures and replaces them with its own as it measures.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+ROW_DECAY = 0.9  # per step of the row: acceptance drifts with what the row writes
+BATCH_DECAY = 0.98
+PRIOR = 0.5  # a_i before anything is measured, as pseudo-counts of PRIOR_WEIGHT tries
+PRIOR_WEIGHT = 2.0
+SHRINK = 4.0  # the batch's estimate counts as this many of the row's own tries
+OPTIMISM = 0.1  # a_j + 0.1 / sqrt(1 + the row's tries of j)
+WINDOW = 15  # step costs: the median of the last 15 steps of each kind
+DEFAULT_VERIFY_RATIO = 0.1  # before a width is measured: each verified token past the first costs 0.1 of a decode
+DEFAULT_DRAFT_RATIO = 0.1  # and each draft depth 0.1 of a decode
+BINS = 10
+
+
+class Acceptance:
+    """Decayed counts of tries and acceptances per draft position 1..n."""
+
+    def __init__(self, positions: int, decay: float):
+        self.decay = decay
+        self.tries = [0.0] * positions
+        self.accepted = [0.0] * positions
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A verification step that proposed `drafted` drafts and kept the first `accepted`: position j was tried
+        when every draft before it was kept."""
+        self.tries = [t * self.decay for t in self.tries]
+        self.accepted = [a * self.decay for a in self.accepted]
+        for j in range(min(drafted, accepted + 1)):
+            self.tries[j] += 1
+            self.accepted[j] += j < accepted
+
+    def rates(self, prior: list[float], weight: float) -> list[float]:
+        """a_j per position, the counts shrunk toward `prior` with `weight` pseudo-tries."""
+        return [(a + weight * p) / (t + weight) for a, t, p in zip(self.accepted, self.tries, prior)]
+
+
+def expected_tokens(rates: list[float], drafts: int) -> float:
+    """1 + expected drafts kept of a chain of `drafts` with per-position conditional rates."""
+    total, kept = 1.0, 1.0
+    for a in rates[:drafts]:
+        kept *= a
+        total += kept
+    return total
+
+
+class Calibration:
+    """P(draft accepted | the head's probability q of it, its prefix accepted), in BINS equal bins of q, each
+    starting at its own centre (a calibrated head) with PRIOR_WEIGHT pseudo-tries."""
+
+    def __init__(self):
+        self.tries = [0.0] * BINS
+        self.accepted = [0.0] * BINS
+
+    @staticmethod
+    def bin(q: float) -> int:
+        return min(int(q * BINS), BINS - 1)
+
+    def observe(self, q: float, kept: bool) -> None:
+        i = self.bin(q)
+        self.tries[i] = self.tries[i] * BATCH_DECAY + 1
+        self.accepted[i] = self.accepted[i] * BATCH_DECAY + kept
+
+    def __call__(self, q: float) -> float:
+        i = self.bin(q)
+        return (self.accepted[i] + PRIOR_WEIGHT * (i + 0.5) / BINS) / (self.tries[i] + PRIOR_WEIGHT)
+
+
+class StepCosts:
+    """Seconds of a step by the tokens it verifies (1: a plain step), and of one draft depth: the median of the last
+    `WINDOW` measured (a step slowed by other work on the machine moves a median little); a width not measured yet
+    is priced from the nearest measured one by the stored, else the default, ratios."""
+
+    def __init__(self, seeded: dict | None = None):
+        self.steps: dict[int, deque] = {}
+        self.drafts: deque = deque(maxlen=WINDOW)
+        self.seeded = {int(n): s for n, s in (seeded or {}).get("verify", {}).items()}
+        self.seeded_draft = (seeded or {}).get("draft")
+
+    def observe(self, verified: int, seconds: float, draft_depths: int = 0, draft_seconds: float = 0.0) -> None:
+        """A step that verified `verified` tokens took `seconds`, of which `draft_seconds` drafted `draft_depths`
+        depths."""
+        self.steps.setdefault(verified, deque(maxlen=WINDOW)).append(seconds - draft_seconds)
+        if draft_depths:
+            self.drafts.append(draft_seconds / draft_depths)
+
+    @property
+    def measured(self) -> dict[int, float]:
+        return {n: statistics.median(d) for n, d in self.steps.items()}
+
+    def _ratio(self, n: int, m: int) -> float:
+        """V(n) / V(m) as the stored figures have it, else by the default ratio."""
+        if n in self.seeded and m in self.seeded:
+            return self.seeded[n] / self.seeded[m]
+        return (1 + DEFAULT_VERIFY_RATIO * (n - 1)) / (1 + DEFAULT_VERIFY_RATIO * (m - 1))
+
+    def verify(self, n: int) -> float:
+        """Seconds of a step verifying n tokens: measured, else scaled from the nearest measured (else stored) width."""
+        table = self.measured or self.seeded
+        if n in table:
+            return table[n]
+        if not table:
+            return self._ratio(n, 1)
+        m = min(table, key=lambda w: (abs(w - n), w))
+        return table[m] * self._ratio(n, m)
+
+    def draft(self) -> float:
+        """Seconds of one draft depth: measured, else the stored share of a plain step, else DEFAULT_DRAFT_RATIO."""
+        if self.drafts:
+            return statistics.median(self.drafts)
+        if self.seeded_draft is not None and 1 in self.seeded:
+            return self.seeded_draft / self.seeded[1] * self.verify(1)
+        return DEFAULT_DRAFT_RATIO * self.verify(1)
+
+    def record(self) -> dict:
+        """What the store keeps: seconds per verified width and per draft depth."""
+        verify = {str(n): s for n, s in {**self.seeded, **self.measured}.items()}
+        draft = statistics.median(self.drafts) if self.drafts else self.seeded_draft
+        return {"verify": verify, **({"draft": draft} if draft is not None else {})}
+
+
+@dataclass
+class Plan:
+    """One row's choice for a step: source "plain", "head" or "context", the drafts its expectation picked, the
+    seconds per token it expects (gating prices a further draft with it) and, for the head, its rates a_j."""
+
+    source: str
+    drafts: int = 0
+    seconds_per_token: float = 0.0
+    rates: list[float] = field(default_factory=list)
+
+
+@dataclass
+class RowState:
+    head: Acceptance
+    context: Acceptance
+
+
+class Controller:
+    """Chooses each row's plan, prices gating, and learns from every verification step."""
+
+    def __init__(self, head_drafts: int, context_drafts: int, costs: StepCosts):
+        self.head_drafts, self.context_drafts, self.costs = head_drafts, context_drafts, costs
+        self.positions = max(head_drafts, context_drafts, 1)
+        self.batch = {"head": Acceptance(self.positions, BATCH_DECAY),
+                      "context": Acceptance(self.positions, BATCH_DECAY)}
+        self.calibration = Calibration()
+        self.rows: dict[int, RowState] = {}
+
+    def row(self, r: int) -> RowState:
+        if r not in self.rows:
+            self.rows[r] = RowState(Acceptance(self.positions, ROW_DECAY), Acceptance(self.positions, ROW_DECAY))
+        return self.rows[r]
+
+    def rates(self, r: int, source: str) -> list[float]:
+        """Row r's a_j for `source`: its own counts shrunk toward the batch's, those toward PRIOR, plus an optimism
+        bonus that shrinks as the row tries position j (a position never tried would otherwise stay at a
+        pessimistic estimate for good: a plan that does not reach it learns nothing about it)."""
+        own = getattr(self.row(r), source)
+        batch = self.batch[source].rates([PRIOR] * self.positions, PRIOR_WEIGHT)
+        return [min(1.0, a + OPTIMISM / (1 + t) ** 0.5) for a, t in zip(own.rates(batch, SHRINK), own.tries)]
+
+    def plan(self, r: int, found: int) -> Plan:
+        """Row r's plan for this step; `found`: context drafts its lookup found (0: none)."""
+        costs = self.costs
+        options = [Plan("plain", 0, costs.verify(1))]
+        if self.head_drafts:
+            rates = self.rates(r, "head")
+            for k in range(1, self.head_drafts + 1):
+                seconds = costs.verify(k + 1) + k * costs.draft()
+                options.append(Plan("head", k, seconds / expected_tokens(rates, k), rates))
+        if found:
+            rates = self.rates(r, "context")
+            for n in range(1, min(found, self.context_drafts) + 1):
+                options.append(Plan("context", n, costs.verify(n + 1) / expected_tokens(rates, n), rates))
+        return min(options, key=lambda p: p.seconds_per_token)
+
+    def keep_drafting(self, plan: Plan, depth: int, prefix_accepted: float) -> bool:
+        """After draft `depth` of a head plan, with P(drafts 1..depth all accepted) = prefix_accepted (from the
+        calibrated head probabilities): whether drafting on to some depth m <= head_drafts is worth its draft steps
+        and verified tokens at the plan's price per token (not only the next one: a weak next draft can open a
+        strong run after it)."""
+        gain, kept, base = 0.0, prefix_accepted, self.costs.verify(depth + 1)
+        for m in range(depth + 1, self.head_drafts + 1):
+            kept *= plan.rates[m - 1]
+            gain += kept
+            cost = (m - depth) * self.costs.draft() + self.costs.verify(m + 1) - base
+            if gain * plan.seconds_per_token >= cost:
+                return True
+        return False
+
+    def observe(self, r: int, source: str, drafted: int, accepted: int, confidences: list[float],
+                shadow: bool = False) -> None:
+        """Row r's verification step: `drafted` proposed from `source`, the first `accepted` kept; the head's
+        probability of each draft (for the calibration). shadow: drafts that were not verified but scored against
+        the text that came (a plain row's); they count as tries of the row's own."""
+        getattr(self.row(r), source).observe(drafted, accepted)
+        self.batch[source].observe(drafted, accepted)
+        for j, q in enumerate(confidences[: accepted + 1]):
+            self.calibration.observe(q, j < accepted)

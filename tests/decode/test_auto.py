@@ -1,0 +1,265 @@
+"""draft="auto" (decode/drafters/auto.py, decode/auto_policy.py): whatever it plans for each row and step (plain,
+head chains cut by its gating, context drafts, mixed in one batch) greedy output is plain greedy's and sampling
+keeps the trunk's law; the MTP run once over a stretch of plain steps leaves the state that running it every step
+leaves; the policy drafts where drafting pays and decodes plainly, probing now and then, where it does not; step
+costs are medians that seed the next call from the route store."""
+
+import random
+
+import pytest
+import torch
+from drafting import PROMPTS, drafting_model
+from sampling_stats import chi2_pvalue, empirical_counts, exact_joint
+
+import mtpkit
+from mtpkit.decode import auto_policy
+from mtpkit.decode.auto_policy import Acceptance, Controller, Plan, StepCosts, expected_tokens
+from mtpkit.decode.draft_spec import DraftSpec
+from mtpkit.decode.drafters import auto, mtp_chain
+from mtpkit.decode.sampling import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def random_plans(monkeypatch):
+    """Controller.plan replaced by a seeded random choice among every plan a row could get."""
+    rng = random.Random(0)
+
+    def plan(self, r, found):
+        options = [Plan("plain")] + [Plan("head", k, 1.0, [0.9] * self.positions)
+                                     for k in range(1, self.head_drafts + 1)]
+        options += [Plan("context", n, 1.0) for n in range(1, min(found, self.context_drafts) + 1)]
+        return rng.choice(options)
+
+    monkeypatch.setattr(Controller, "plan", plan)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5"])
+def test_greedy_output_is_plain_greedy_output_whatever_is_planned(family, random_plans):
+    model = drafting_model(family)
+    for prompts in (PROMPTS[:1], PROMPTS):
+        plain = mtpkit.generate(model, prompts, max_new_tokens=40)
+        got = mtpkit.generate(model, prompts, max_new_tokens=40, draft="auto")
+        assert got.tokens == plain.tokens
+        s = got.stats
+        assert s["verification_steps"] > 10 and s["context_drafted_steps"] > 0 and s["accepted"] > 10
+        assert s["forward_passes"] > s["verification_steps"] / len(prompts)  # some steps of every batch were plain
+
+
+VERIFY = {n: 1.0 + 0.1 * (n - 1) for n in range(1, 10)}  # step costs in decodes, as on a CPU that streams weights
+DRAFT = 0.05
+
+
+@pytest.fixture
+def fixed_costs(monkeypatch):
+    """Step costs fixed at VERIFY / DRAFT (what this machine measures is ignored), and a meter of what auto's steps
+    cost at those figures: its decisions are then checked, not this machine's timing."""
+    real_init, real_observed = StepCosts.__init__, auto.AutoDrafter.observed
+    spent = [0.0]
+
+    def init(self, seeded=None):
+        real_init(self, {"verify": {str(n): c for n, c in VERIFY.items()}, "draft": DRAFT})
+        self.observe = lambda *a, **k: None
+
+    def observed(self, accepted):
+        drafts, head_depths = self.step[2], self.step[4]
+        spent[0] += VERIFY[1] if drafts is None else VERIFY[drafts.tokens.shape[1] + 1] + head_depths * DRAFT
+        real_observed(self, accepted)
+
+    monkeypatch.setattr(StepCosts, "__init__", init)
+    monkeypatch.setattr(auto.AutoDrafter, "observed", observed)
+    return spent
+
+
+def _fixed_cost(stats) -> float:
+    """What a fixed-k run of one prompt cost at VERIFY / DRAFT: its plain steps and its steps of j drafts."""
+    plain = stats["forward_passes"] - stats["verification_steps"]
+    return plain * VERIFY[1] + sum(n * (VERIFY[j + 2] + (j + 1) * DRAFT) for j, n in enumerate(stats["draft_lengths"]))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "llama"])
+def test_auto_costs_what_the_best_fixed_chain_costs(family, fixed_costs):
+    """Over the prompts, auto's steps cost no more than 1.05x those of the best fixed k (k = 1..3, known only after
+    running them all), less than plain decoding, with output identical to it."""
+    model = drafting_model(family)
+    fixed = {k: 0.0 for k in (1, 2, 3)}
+    for prompt in PROMPTS:
+        plain = mtpkit.generate(model, [prompt], max_new_tokens=96).tokens
+        for k in fixed:
+            fixed[k] += _fixed_cost(mtpkit.generate(model, [prompt], max_new_tokens=96, draft_tokens=k).stats)
+        assert mtpkit.generate(model, [prompt], max_new_tokens=96, draft="auto").tokens == plain
+    assert fixed_costs[0] <= 1.05 * min(fixed.values()) and fixed_costs[0] < 0.9 * 3 * 96
+
+
+def test_where_drafts_fail_auto_decodes_plainly(fixed_costs):
+    """A head that drafts at random: auto's steps cost within 3% of plain decoding's, while fixed k = 3 costs 1.3x."""
+    model = drafting_model("qwen3_5")
+    with torch.no_grad():
+        for p in model.mtp.parameters():
+            p.normal_(0.0, 1.0)
+    prompts = [[5, 17, 2, 29, 11, 8, 23]]  # no repeats: the context finds nothing at first
+    plain = mtpkit.generate(model, prompts, max_new_tokens=160)
+    k3 = mtpkit.generate(model, prompts, max_new_tokens=160, draft_tokens=3)
+    got = mtpkit.generate(model, prompts, max_new_tokens=160, draft="auto")
+    assert got.tokens == plain.tokens
+    assert _fixed_cost(k3.stats) > 1.2 * 160 and fixed_costs[0] <= 1.03 * 160
+
+
+@pytest.fixture(scope="module")
+def sampling_case():
+    """As tests/decode/test_lookup.py's: a prompt that repeats the model's walk (context drafts found), a trunk that
+    often leaves it, and the exact law of the first 3 new tokens."""
+    model = drafting_model("llama", noise=1.0, seed=3)
+    params = SamplingParams(temperature=0.8, top_k=12, top_p=0.95)
+    walk = [3, *mtpkit.generate(model, [[3]], max_new_tokens=5).tokens[0]]
+    prompt = walk + walk + [3]
+    return model, params, prompt, exact_joint(model, prompt, params, 3)
+
+
+def test_sampling_keeps_the_trunks_law_whatever_is_planned(sampling_case, random_plans):
+    model, params, prompt, joint = sampling_case
+    counts, stats = empirical_counts(model, params, prompt, 0, seed=5, draft="auto")
+    assert chi2_pvalue(counts, joint) > 1e-3
+    assert stats["context_drafted_steps"] > 200 and stats["verification_steps"] > 2000 and stats["accepted"] > 150
+
+
+def test_a_stretch_of_plain_steps_is_caught_up_as_if_the_mtp_had_run_every_step(monkeypatch):
+    """The drafter state after the catch-up (the MTP's output at slot - 1, from its cache) equals the state a k = 1
+    run, which runs the MTP after every step, has at the same slot."""
+    model = drafting_model("qwen3_5", noise=0.6)
+    seen = {}
+    real_draft = mtp_chain.draft
+
+    def draft(model, state, **kw):  # every chain draft: the slot and the drafter state it drafts from
+        seen.setdefault(kw["k"], {})[state.slot_host[0]] = state.drafter_state[0].clone()
+        return real_draft(model, state, **kw)
+
+    monkeypatch.setattr(mtp_chain, "draft", draft)
+    every = mtpkit.generate(model, PROMPTS[:1], max_new_tokens=30, draft_tokens=1)
+    steps = iter(range(1000))
+    # plain for 6 steps, then a head draft, and so on: each draft follows a stretch of plain steps
+    monkeypatch.setattr(Controller, "plan", lambda self, r, found: Plan("plain") if next(steps) % 7 < 6
+                        else Plan("head", 3, 1.0, [0.0] * 8))  # rates 0: gating stops after the first draft
+    got = mtpkit.generate(model, PROMPTS[:1], max_new_tokens=30, draft="auto")
+    assert got.tokens == every.tokens
+    assert got.stats["verification_steps"] >= 3
+    caught_up = seen[3]
+    assert set(caught_up) <= set(seen[1]) and len(caught_up) >= 3
+    for slot, state in caught_up.items():
+        torch.testing.assert_close(state, seen[1][slot], atol=1e-5, rtol=1e-5)
+
+
+def _costs(verify: dict, draft: float) -> StepCosts:
+    """Costs fixed at these figures (observations ignored), so decisions do not depend on this machine's timing."""
+    costs = StepCosts({"verify": {str(n): s for n, s in verify.items()}, "draft": draft})
+    costs.observe = lambda *a, **k: None
+    return costs
+
+
+def test_a_row_goes_plain_where_drafts_fail_and_back_when_the_scored_drafts_come_good():
+    ctl = Controller(3, 8, _costs({1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}, 0.05))
+    assert ctl.plan(0, found=0).source == "head"  # drafting is tried while nothing says it fails
+    for _ in range(10):
+        ctl.observe(0, "head", 3, 0, [0.9, 0.9, 0.9])
+    assert ctl.plan(0, found=0).source == "plain"
+    for _ in range(12):  # what a plain stretch's catch-up scored: the head's first drafts were right
+        ctl.observe(0, "head", 1, 1, [], shadow=True)
+    assert ctl.plan(0, found=0).source == "head"
+    # a row whose drafts are kept drafts deep
+    good = Controller(3, 8, _costs({1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}, 0.05))
+    for _ in range(50):
+        plan = good.plan(0, found=0)
+        good.observe(0, plan.source, plan.drafts, plan.drafts, [0.9] * plan.drafts)
+    assert good.plan(0, found=0).drafts == 3
+
+
+def test_plans_follow_the_costs_and_the_sources_acceptance():
+    # a machine where verifying 4 tokens costs twice a decode: short chains
+    ctl = Controller(3, 8, _costs({1: 1.0, 2: 1.05, 3: 1.6, 4: 2.0}, 0.02))
+    for _ in range(30):
+        ctl.observe(0, "head", 3, 1, [0.5, 0.5, 0.5])  # the first draft is kept, never the second
+    assert ctl.plan(0, found=0).drafts == 1 and ctl.plan(0, found=0).source == "head"
+    # the context's drafts are kept 4 at a time: a lookup beats the head where one is found
+    for _ in range(30):
+        ctl.observe(0, "context", 4, 4, [])
+    plan = ctl.plan(0, found=6)
+    assert plan.source == "context" and plan.drafts >= 4
+    assert ctl.plan(0, found=0).source == "head"  # nothing found: the head again
+    # another row has its own figures, shrunk toward the batch's
+    assert ctl.rates(1, "head")[1] > ctl.rates(0, "head")[1]
+
+
+def test_gating_drafts_on_only_while_a_confident_chain_pays():
+    ctl = Controller(3, 8, _costs({1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15}, 0.03))
+    plan = Plan("head", 3, 0.5, [0.8, 0.8, 0.8])
+    assert ctl.keep_drafting(plan, 1, prefix_accepted=0.9)
+    assert not ctl.keep_drafting(plan, 1, prefix_accepted=0.05)
+    assert not ctl.keep_drafting(plan, 3, prefix_accepted=1.0)  # at most head_drafts deep
+    # a weak next draft that opens strong ones after it is still worth drafting
+    assert ctl.keep_drafting(Plan("head", 3, 0.5, [0.9, 0.3, 1.0]), 1, prefix_accepted=0.9)
+    # the calibration learns that this head's confident drafts fail
+    before = ctl.calibration(0.95)
+    for _ in range(50):
+        ctl.observe(0, "head", 1, 0, [0.95])
+    assert ctl.calibration(0.95) < 0.2 < before
+
+
+def test_acceptance_counts_and_expected_tokens():
+    acc = Acceptance(3, decay=1.0)
+    acc.observe(3, 1)  # position 1 kept, 2 tried and rejected, 3 not reached
+    acc.observe(2, 2)
+    assert acc.tries == [2, 2, 0] and acc.accepted == [2, 1, 0]
+    assert acc.rates([0.5] * 3, weight=1e-9)[:2] == pytest.approx([1.0, 0.5])
+    assert acc.rates([0.5] * 3, weight=2.0) == pytest.approx([0.75, 0.5, 0.5])
+    assert expected_tokens([0.5, 0.5, 0.5], 2) == pytest.approx(1.75)
+    assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
+
+
+def test_step_costs_are_robust_medians_and_price_unmeasured_widths_from_the_stored_ratios():
+    costs = StepCosts({"verify": {"1": 2.0, "4": 3.0}, "draft": 0.2})
+    assert costs.verify(4) == 3.0 and costs.draft() == pytest.approx(0.2)
+    for s in (0.010, 0.011, 0.012, 0.5, 0.010):  # one step slowed by other work
+        costs.observe(1, s)
+    assert costs.verify(1) == pytest.approx(0.011)
+    assert costs.verify(4) == pytest.approx(0.011 * 1.5)  # the stored 4-token / 1-token ratio
+    assert costs.draft() == pytest.approx(0.011 * 0.1)  # the stored draft share of a decode
+    costs.observe(2, 0.02, draft_depths=2, draft_seconds=0.004)
+    assert costs.verify(2) == pytest.approx(0.016) and costs.draft() == pytest.approx(0.002)
+    assert StepCosts().verify(3) == pytest.approx(1 + 2 * auto_policy.DEFAULT_VERIFY_RATIO)
+
+
+def test_step_costs_are_kept_for_the_next_call(tmp_path, monkeypatch):
+    from mtpkit.decode.matmul_routing import router_for
+    from mtpkit.decode.route_store import RouteStore
+
+    model = drafting_model("llama")
+    router_for(model).store = RouteStore(tmp_path / "m.json")
+    built = []
+
+    class Recorded(auto.AutoDrafter):
+        def __init__(self, *args):
+            super().__init__(*args)
+            built.append(self)
+
+    monkeypatch.setattr(auto, "AutoDrafter", Recorded)
+    mtpkit.generate(model, PROMPTS[:1], max_new_tokens=24, draft="auto")
+    steps = RouteStore(tmp_path / "m.json").entries["steps"]
+    assert list(steps) == [built[0].store_key] and steps[built[0].store_key]["verify"]
+    mtpkit.generate(model, PROMPTS[:1], max_new_tokens=4, draft="auto")
+    assert built[1].controller.costs.seeded == {int(n): s for n, s in steps[built[0].store_key]["verify"].items()}
+
+
+def test_auto_is_a_spec_of_its_own():
+    model = drafting_model("llama")
+    spec = DraftSpec.automatic(model)
+    assert spec.auto and spec.label == "auto" and spec.draft_tokens == 3 and spec.draft_lookup == 8
+    with pytest.raises(ValueError, match="chooses its own gating"):
+        DraftSpec(3, 0.5, auto=True)
+    with pytest.raises(ValueError, match="draft must be a DraftSpec, 'auto' or None"):
+        mtpkit.generate(model, PROMPTS, max_new_tokens=4, draft="fast")
+    with pytest.raises(ValueError, match="not both"):
+        mtpkit.generate(model, PROMPTS, max_new_tokens=4, draft="auto", draft_tokens=2)
+    # a model without a head: auto drafts from the context only
+    model.mtp = None
+    assert DraftSpec.automatic(model).draft_tokens == 0

@@ -240,6 +240,19 @@ def test_bench_cli_context_drafts(llama_dir, tmp_path, capsys):
     assert "k=1 w=3 lookup=3" in out and "looked up" in out
 
 
+def test_bench_cli_draft_auto_row(llama_dir, tmp_path, capsys):
+    """--draft-auto adds an `auto` row next to the fixed ones, identical to plain decoding."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("t5 t9 t3 t7 t158 t172 t250 t241 t102 t209 t255 t5 t9 t3 t7\nt1 t2\n")
+    rc = main(["bench", "--model", str(llama_dir), "--prompts", str(prompts), "--num-tokens", "24", "--draft-tokens",
+               "1", "--draft-auto", "--repeats", "1", "--step-repeats", "0", "--json", str(tmp_path / "r.json")])
+    assert rc == 0
+    runs = json.loads((tmp_path / "r.json").read_text())["runs"]
+    assert [(r["auto"], r["draft_tokens"], r["draft_lookup"]) for r in runs] == [(False, 1, 0), (True, 3, 8)]
+    assert all(r["identical"] for r in runs)
+    assert re.search(r"^  auto ", capsys.readouterr().out, re.M)
+
+
 def test_bench_cli_context_drafts_without_a_head(tmp_path):
     """A model without a head benchmarks context drafts alone (k = 0)."""
     path = tmp_path / "no_head"

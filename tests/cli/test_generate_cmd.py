@@ -69,6 +69,22 @@ def test_speculation_with_a_head_file_prints_the_same_text(model_dir, head_file,
     assert re.search(r"k=2: acceptance rate [\d.]+%, mean acceptance length [\d.]+$", stats)
 
 
+def test_drafting_is_auto_unless_a_knob_fixes_it_or_it_is_off(model_dir, head_file, capsys):
+    path, _ = head_file
+    common = ["--model", model_dir, "--mtp", path, "--prompt", "t1 t2 t3", "--max-new-tokens", 12]
+    code, out, err = run_cli(capsys, *common)
+    assert code == 0, err
+    text, stats = out.rstrip("\n").split("\n")
+    assert text == expected_text(model_dir, [1, 2, 3], 12)
+    assert re.search(r"auto: acceptance rate [\d.]+%, mean acceptance length [\d.]+", stats)  # it tried the head
+    code, out, err = run_cli(capsys, *common, "--draft", "off")
+    assert code == 0, err
+    assert out.rstrip("\n").split("\n") == [text, out.rstrip("\n").split("\n")[1]]
+    assert re.fullmatch(r"\d+ tokens in [\d.]+ s, [\d.]+ tokens/s", out.rstrip("\n").split("\n")[1])
+    code, _, err = run_cli(capsys, *common, "--draft", "auto", "--draft-tokens", 2)
+    assert code == 2 and "--draft auto and --draft-tokens both say how to draft" in err
+
+
 def test_context_drafts_without_a_head_print_the_same_text(model_dir, capsys):
     prompt = [5, 9, 3, 7, 158, 172, 250, 241, 102, 209, 255, 5, 9, 3, 7]  # holds what the model goes on to write
     code, out, err = run_cli(capsys, "--model", model_dir, "--prompt", " ".join(f"t{i}" for i in prompt),

@@ -1,0 +1,26 @@
+"""`python -m mtpkit.bench.auto_check`'s pieces on a tiny model: interleaved rows with identity against plain
+decoding, and the report."""
+
+import pytest
+from drafting import PROMPTS, drafting_model
+
+from mtpkit.bench import auto_check
+from mtpkit.decode.draft_spec import DraftSpec
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_interleaved_rows_and_the_report():
+    model = drafting_model("llama")
+    drafts = {"plain": None, "k=3": DraftSpec(3), "auto": "auto"}
+    rows = auto_check.interleaved(model, PROMPTS[:2], drafts, new_tokens=16, repeats=1, eos=None)
+    assert set(rows) == set(drafts) and rows["plain"]["vs_plain"] == 1.0
+    assert all(r["identical"] and r["tokens_per_s"] > 0 for r in rows.values())
+    sampled = auto_check.interleaved(model, PROMPTS[:1], drafts, new_tokens=8, repeats=1, eos=None, temperature=1.2)
+    assert all(r["identical"] is None for r in sampled.values())
+    report = {"machine": "cpu", "threads": 1, "long_prompts": 3, "failing": {"random token ids": sampled},
+              "long": rows, "grid_command": "mtpkit bench ...",
+              "fresh": {"plain_tokens_per_s": [10.0, 11.0], "plain_median": 10.5, "plain_worst_deviation": 0.048,
+                        "auto_first_over_second": [0.9, 1.0], "auto_first_over_plain_median": 1.1}}
+    text = auto_check.render(report)
+    assert "worst deviation 4.8%" in text and "auto" in text and "identical" in text and "mtpkit bench" in text

@@ -201,6 +201,7 @@ def generate(
     draft_lookup_ngram: tuple[int, int] = DEFAULT_NGRAM,
     on_tokens: Callable[[int, list[int]], None] | None = None,
     on_hidden: Callable[[list[int], torch.Tensor], None] | None = None,
+    drafter: Callable[[DraftSetup], Drafter] | None = None,
 ) -> GenerateResult:
     """Decode up to max_new_tokens new tokens per prompt (rows of token ids, or for a vision-language model
     dicts from `mtpkit.image_inputs` with the image patches), plainly or self-speculatively as `draft` says (a
@@ -214,7 +215,9 @@ def generate(
     `on_tokens(row, ids)` is called with every row's new tokens as they are produced (for streaming).
     `on_hidden(rows, hidden [b, n, H])`, plain decoding only, is called with the trunk's post-norm hidden states
     of every token a forward reads (the prompt, then each new token but the last), for those prompt rows: a
-    self-distillation run stores them as training features without running the trunk again."""
+    self-distillation run stores them as training features without running the trunk again.
+    `drafter(setup)` builds a drafter of the caller's in place of the registry's (benchmarks: the oracle of
+    bench/oracle_drafter.py); `draft` still sizes each step's verify."""
     knobs = DraftSpec(draft_tokens, draft_min_prob, tuple(draft_widths), draft_lookup, tuple(draft_lookup_ngram))
     if draft is not None and knobs != DraftSpec():
         raise ValueError("give the drafting knobs either as draft=DraftSpec(...) or as keyword arguments, not both")
@@ -248,7 +251,8 @@ def generate(
         draft_vocab = model.drafter.draft_vocab
     head = draft_head.DraftHead(model, params, draft_vocab, spec.draft_min_prob) if spec.draft_tokens else None
     spec.check(model, cfg.vocab_size if head is None or head.vocab is None else len(head.vocab))
-    drafter = build_drafter(DraftSetup(model, spec, head, params, generator, rows))
+    setup = DraftSetup(model, spec, head, params, generator, rows)
+    drafter = build_drafter(setup) if drafter is None else drafter(setup)
     book = _Bookkeeper(len(rows), spec, max_new_tokens, eos, _told(drafter, on_tokens))
     with routed_linears(router_for(model)):
         return _decode(model, rows, vision, book, params, generator, drafter, spec, on_hidden)

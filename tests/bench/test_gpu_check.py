@@ -30,6 +30,11 @@ def test_tiny_cpu_run_writes_every_section(tmp_path, capsys):
     for r in runs:
         assert r["plain_tokens_per_s"] > 0 and r["hf_tokens_per_s"] > 0 and r["decode_bytes"] > 0
         assert all(r[f"k{k}"]["identical_to_plain"] for k in (1, 2, 3))  # lossless, bf16 on CPU too
+        for k in (1, 2, 3):  # the oracle's drafts are all kept at rate 1, fewer at 0.7; output unchanged
+            full, part = r[f"oracle_k{k}_r1"], r[f"oracle_k{k}_r0.7"]
+            assert full["identical_to_plain"] and part["identical_to_plain"]
+            assert full["mean_acceptance_length"] > part["mean_acceptance_length"] > 1.0
+        assert r["fraction_of_measured_bandwidth"] > 0
 
     training = result["sections"]["training"]
     assert len(training["runs"]) == 4 and all(r["finite"] and r["tokens_per_s"] > 0 for r in training["runs"])

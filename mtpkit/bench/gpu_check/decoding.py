@@ -1,9 +1,12 @@
 """Section 2, decoding speed: random Qwen3.5-0.8B- and 2B-shaped models in bf16 (trunk + one MTP layer), batch 1
 and 8, 128 new tokens: plain and speculative tokens/s through `mtpkit.generate`, transformers' generate() on the
-same weights, the verify(k+1) / decode step-time ratio, and the memory bandwidth a decode step achieves.
+same weights, the verify(k+1) / decode step-time ratio, and the memory bandwidth a decode step achieves, as a share
+of the bandwidth a device copy measures in the same run (and of the datasheet peak where known).
 
-The MTP head is random, so drafts are almost never accepted: what this measures is what a speculative step costs
-against a plain one (= the mean acceptance length at which speculation breaks even), not acceptance.
+The MTP head is random, so its drafts are almost never accepted: its rows measure what a speculative step costs
+against a plain one (= the mean acceptance length at which speculation breaks even). The oracle rows
+(bench/oracle_drafter.py) draft the plain run's own tokens, all kept or each kept with probability ORACLE_RATE:
+the engine's speculative ceiling, apart from any head's quality.
 """
 
 from __future__ import annotations
@@ -14,14 +17,17 @@ import torch
 
 from ...checkpoint.hf import build_model
 from ...decode.cache import Cache
+from ...decode.draft_spec import DraftSpec
 from ...decode.generate import generate
 from ...models.mtp import is_mtp_param
+from ..oracle_drafter import oracle
 from ..timing import median_seconds, sync
 from .common import Budget, free_memory, guarded, peak_bandwidth, quiet_transformers, rel_max, skipped
 from .correctness import first_divergence
 from .models import hf_twin, qwen35_shapes
 
 KS = (1, 2, 3)
+ORACLE_RATE = 0.7  # the fixed acceptance rate of the second oracle row (mean acceptance length 2.19 at k = 3)
 
 
 def decode_bytes(model, batch: int, context: int) -> int:
@@ -80,7 +86,16 @@ def _hf_generate(hf, ids: torch.Tensor, new_tokens: int) -> tuple[list[list[int]
     return out[:, ids.shape[1] :].tolist(), time.perf_counter() - t0
 
 
-def measure(model, hf, batch: int, new_tokens: int, prompt_len: int, repeats: int, peak_bw) -> dict:
+def measured_bandwidth(device: torch.device, tiny: bool) -> float:
+    """Bytes/s of a device-to-device copy of a buffer far larger than the caches (read + write), median of 5."""
+    n = (64 if tiny else 2048) * 2**20 // 4
+    src = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / median_seconds(lambda: dst.copy_(src), device, repeats=5)
+
+
+def measure(model, hf, batch: int, new_tokens: int, prompt_len: int, repeats: int, peak_bw,
+            copy_bw: float | None = None) -> dict:
     device = model.output_weight.device
     g = torch.Generator().manual_seed(batch)
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g)
@@ -101,6 +116,16 @@ def measure(model, hf, batch: int, new_tokens: int, prompt_len: int, repeats: in
             "tokens_per_step": round(res.stats["new_tokens"] / res.stats["forward_passes"] / batch, 3),
             "identical_to_plain": res.tokens == plain.tokens,
         }
+    for k in KS:  # the engine's ceiling: drafts that are the plain run's own tokens
+        for rate in (1.0, ORACLE_RATE):
+            res = generate(model, prompts, max_new_tokens=new_tokens, draft=DraftSpec(k),
+                           drafter=oracle(plain.tokens, rate))
+            rec[f"oracle_k{k}_r{rate:g}"] = {
+                "tokens_per_s": round(res.stats["tokens_per_second"], 1),
+                "speedup": round(res.stats["tokens_per_second"] / plain.stats["tokens_per_second"], 3),
+                "mean_acceptance_length": round(res.stats["mean_acceptance_length"], 3),
+                "identical_to_plain": res.tokens == plain.tokens,
+            }
     times = step_times(model, torch.randint(0, model.config.vocab_size, (batch, prompt_len + max(KS) + 1),
                                             generator=g).to(device), repeats)
     rec["decode_ms"] = round(1e3 * times["decode"], 3)
@@ -110,6 +135,8 @@ def measure(model, hf, batch: int, new_tokens: int, prompt_len: int, repeats: in
     rec["achieved_GBps"] = round(moved / times["decode"] / 1e9, 1)
     if peak_bw:
         rec["fraction_of_peak_bandwidth"] = round(moved / times["decode"] / peak_bw, 3)
+    if copy_bw:
+        rec["fraction_of_measured_bandwidth"] = round(moved / times["decode"] / copy_bw, 3)
     if hf is not None:
         _hf_generate(hf, ids[:, :8].to(device), 4)  # warm-up
         tokens, sec = _hf_generate(hf, ids.to(device), new_tokens)
@@ -124,6 +151,7 @@ def run(device: torch.device, tiny: bool, budget: Budget, until: float, peak_bw_
     records: list[dict] = []
     batches, new_tokens, prompt_len, repeats = ((1, 2), 8, 16, 3) if tiny else ((1, 8), 128, 64, 20)
     peak = peak_bandwidth(device, peak_bw_tbs)
+    copy_bw = measured_bandwidth(device, tiny)
     for name, raw in qwen35_shapes(tiny).items():
         if budget.left(until) < 0:
             skipped(records, f"decode {name}", "time budget")
@@ -142,11 +170,11 @@ def run(device: torch.device, tiny: bool, budget: Budget, until: float, peak_bw_
                 skipped(records, f"decode {name}", "time budget", batch=batch)
                 continue
             guarded(records, f"decode {name}", lambda: measure(model, twin[0] if twin else None, batch, new_tokens,
-                                                               prompt_len, repeats, peak),
+                                                               prompt_len, repeats, peak, copy_bw),
                     batch=batch, new_tokens=new_tokens, prompt=prompt_len, dtype="bfloat16")
         del model, twin
         free_memory()
-    return {"runs": records, "peak_bandwidth": peak}
+    return {"runs": records, "peak_bandwidth": peak, "measured_copy_bandwidth": copy_bw}
 
 
 def summary(section: dict) -> str:
@@ -158,8 +186,11 @@ def summary(section: dict) -> str:
         best = max(KS, key=lambda k: r[f"k{k}"]["tokens_per_s"])
         part = (f"{r['name'].removeprefix('decode ')} b{r['batch']}: plain {r['plain_tokens_per_s']} tok/s, "
                 f"k={best} {r[f'k{best}']['tokens_per_s']}, verify2/decode {r['verify2_over_decode']}")
+        if "fraction_of_measured_bandwidth" in r:
+            part += f", {100 * r['fraction_of_measured_bandwidth']:.0f}% of copy BW"
         if "fraction_of_peak_bandwidth" in r:
             part += f", {100 * r['fraction_of_peak_bandwidth']:.0f}% of peak BW"
+        part += ", oracle k=1..3 " + "/".join(f"{r[f'oracle_k{k}_r1']['speedup']}x" for k in KS)
         if "hf_tokens_per_s" in r:
             part += f", HF {r['hf_tokens_per_s']}"
         parts.append(part)

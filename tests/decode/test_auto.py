@@ -93,7 +93,7 @@ def test_auto_costs_what_the_best_fixed_chain_costs(family, fixed_costs):
 
 
 def test_where_drafts_fail_auto_decodes_plainly(fixed_costs):
-    """A head that drafts at random: auto's steps cost within 3% of plain decoding's, while fixed k = 3 costs 1.3x."""
+    """A head that drafts at random: auto's steps cost within 3% of plain decoding's, while fixed k = 3 costs 1.45x."""
     model = drafting_model("qwen3_5")
     with torch.no_grad():
         for p in model.mtp.parameters():

@@ -114,6 +114,7 @@ class MatmulRouter:
         self.measured_rows: set[tuple] = set()  # (rows, dtype) calibrated by this process, not read from the store
         self.timing_layer = False  # set while a layer's modules are timed: `layer` declines
         self.measuring = 0.0  # seconds spent measuring (calibrations, check passes, layer timings): step timers
+        self.store_checked = False  # one check pass of the store confirmed it in this process
         self.choice: dict[tuple, tuple[str, int]] = {}
         self.timings: dict[tuple, dict[tuple[str, int], float]] = {}  # key -> candidate -> fastest ms
         # decoder layer -> {(rows, threads, force): its _FusedLayer, or None where the modules run}
@@ -226,6 +227,13 @@ class MatmulRouter:
             self.store.put("layers", {store_key: {"fused": wins, "ms": {k: 1e3 * v for k, v in best.items()}}})
         return wins
 
+    def prepare(self, rows: int, weight: torch.Tensor) -> None:
+        """Routes for `rows` rows of weight's dtype now, from the store or measured, rather than in the middle of the
+        first step that needs them (draft="auto" prepares every verify width it may try)."""
+        if (rows <= MAX_ROWS and weight.device.type == "cpu" and self.force is None
+                and self.key(rows, weight.dtype, weight.shape) not in self.choice):
+            self.ensure(rows, weight)
+
     def ensure(self, rows: int, weight: torch.Tensor) -> None:
         """Routes for `rows` rows of weight's dtype: the store's, when a check pass confirms them, else measured
         (and stored)."""
@@ -248,8 +256,9 @@ class MatmulRouter:
 
     @torch.inference_mode()
     def _stored(self, rows: int, weight: torch.Tensor) -> bool:
-        """Take the stored routes of `rows` rows for every weight of weight's dtype, if all are stored and one timed
-        pass of them is not faster than the stored figures by more than DRIFT."""
+        """Take the stored routes of `rows` rows for every weight of weight's dtype, if all are stored and, for the
+        first row count this process reads, one timed pass of them is not faster than the stored figures by more
+        than DRIFT (one check a process: each costs about a step's products)."""
         ws = self._calibration_weights(weight)
         keys = {tuple(w.shape): self.key(rows, w.dtype, w.shape) for w in ws}
         entries = {key: self.store.get("products", entry_key(*key)) for key in keys.values()}
@@ -257,15 +266,17 @@ class MatmulRouter:
             return False
         timings = {key: {_candidate(c): t for c, t in e["ms"].items()} for key, e in entries.items()}
         choice = {key: _candidate(e["choice"]) for key, e in entries.items()}
-        xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(w.dtype) for w in ws}
-        operands = [self.operand(w, choice[keys[tuple(w.shape)]]) for w in ws]
-        for timed in (False, True):  # a warm-up pass, then the timed one
-            start = time.perf_counter()
-            for w, operand in zip(ws, operands):
-                thin_product(xs[w.shape[1]], operand, choice[keys[tuple(w.shape)]])
-            seconds = time.perf_counter() - start
-        if 1e3 * seconds < DRIFT * sum(timings[key][choice[key]] for key in set(keys.values())):
-            return False
+        if not self.store_checked:
+            xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(w.dtype) for w in ws}
+            operands = [self.operand(w, choice[keys[tuple(w.shape)]]) for w in ws]
+            for timed in (False, True):  # a warm-up pass, then the timed one
+                start = time.perf_counter()
+                for w, operand in zip(ws, operands):
+                    thin_product(xs[w.shape[1]], operand, choice[keys[tuple(w.shape)]])
+                seconds = time.perf_counter() - start
+            if 1e3 * seconds < DRIFT * sum(timings[key][choice[key]] for key in set(keys.values())):
+                return False
+            self.store_checked = True
         self.timings.update(timings)
         self.choice.update(choice)
         return True

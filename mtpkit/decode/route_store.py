@@ -7,10 +7,11 @@ of that process. The store keeps each choice with its timings, keyed by what dec
 and flags, torch version, the thin kernel's sources) names the file, threads / rows / dtype / weight shape the
 entry. A whole-layer decision (fused op or modules, `MatmulRouter.layer`) is kept the same way.
 
-A process that finds a row count stored checks it first with one timed pass of the stored routes over the weights
+A process checks the first row count it finds stored with one timed pass of the stored routes over the weights
 (about one step's products): a pass faster than the stored figures by more than `DRIFT` means they were measured
-under load, and that row count is calibrated again and rewritten; otherwise the stored routes are used (a pass
-slower than stored means this process runs under load, which is no time to calibrate). The file is a cache: a
+under load, and that row count is calibrated again and rewritten (and the next one read is checked in turn);
+otherwise the stored routes are used, that row count's and the others' (a pass slower than stored means this
+process runs under load, which is no time to calibrate). The file is a cache: a
 damaged one is set aside with a warning and rebuilt. `MTPKIT_ROUTES` names another directory, or `off`.
 """
 

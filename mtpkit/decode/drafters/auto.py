@@ -18,7 +18,10 @@ it blind.
 
 Steps are timed from `propose` to `observed` (after the step's one device read), less what the decode router
 spent measuring products in between (decode/matmul_routing.py), so a step that calibrates a new row count does
-not teach the controller that verifying is slow.
+not teach the controller that verifying is slow. And routes for every verify width auto may try are prepared when
+it is built (read from the route store after a machine's first run), while the catch-up and scoring forwards, P
+rows each, use torch's products: measured at first sight, each new row count cost 1-3 s of the user's time in
+the middle of a call (auto's first call in a fresh process ran at 0.31-2.1x its second).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import time
 
 import torch
 
+from ...kernels.linear import routed_linears
 from ..auto_policy import Controller, StepCosts
 from ..matmul_routing import router_for
 from ..route_store import entry_key
@@ -53,6 +57,12 @@ class AutoDrafter:
         self.watch: dict[int, tuple[list[int], list[int]]] = {}  # row -> (context drafts it did not use, what came)
         self.context_steps = 0
         self.step = None  # (rows, plans, drafts, draft seconds, head depths, start, router's measuring seconds)
+        # every verify width it may try routed now (from the store after a machine's first run), not mid-step
+        batch = len(setup.prompts)
+        for n in range(1, spec.most_verified + 1):
+            self.router.prepare(batch * n, self.model.output_weight)
+        if self.head is not None:
+            self.router.prepare(batch, self.head.weight)
 
     def prefill(self, run: Prefill) -> torch.Tensor | None:
         return None if self.chain is None else self.chain.prefill(run)
@@ -108,11 +118,13 @@ class AutoDrafter:
         hidden = torch.stack([h[[seen.index(r) for r in rows]] for h, _, seen in self.pending], 1)  # [B, P, H]
         tokens = torch.stack([t[[seen.index(r) for r in rows]] for _, t, seen in self.pending], 1)  # [B, P]
         slots = state.slots(P, offset=end - P)
-        out = self.model.mtp_step(tokens, hidden, state.rope_positions(slots), 1, state.cache, slots,
-                                  kv_len=state.top_slot + end)  # [B, P, H]
+        with routed_linears(None):  # P rows, a different count each time: torch's products, no routes measured
+            out = self.model.mtp_step(tokens, hidden, state.rope_positions(slots), 1, state.cache, slots,
+                                      kv_len=state.top_slot + end)  # [B, P, H]
+            top = self.head.top(out[:, :-1]) if P > 1 else None
         self.pending = []
         if P > 1:  # the output at slot j drafts the token at j + 2, which is the token after slot j + 1
-            kept = (self.head.top(out[:, :-1]) == tokens[:, 1:]).tolist()
+            kept = (top == tokens[:, 1:]).tolist()
             for r, row in zip(rows, kept):
                 for hit in row:
                     self.controller.observe(r, "head", 1, int(hit), [], shadow=True)
@@ -138,7 +150,8 @@ class AutoDrafter:
     def _score_head(self, out: torch.Tensor, verified: Verified, rows: list[int], batch_rows: list[int]) -> None:
         """Rows that took context drafts: the head's first draft at each kept position (out[:, j] drafts the token
         after verified.tokens[:, j]) scored against the token that came."""
-        hits = (self.head.top(out[:, :-1]) == verified.tokens[:, 1:]).tolist()
+        with routed_linears(None):
+            hits = (self.head.top(out[:, :-1]) == verified.tokens[:, 1:]).tolist()
         accepted = verified.accepted.tolist()
         for b in batch_rows:
             for hit in hits[b][: accepted[b]]:

@@ -115,7 +115,8 @@ def long_prompts(model, tok, n: int, new_tokens: int, repeats: int) -> dict:
 
 
 def render(report: dict) -> str:
-    lines = [f"draft=auto check · {report['machine']} · torch {torch.__version__} · {report['threads']} threads", ""]
+    lines = [f"draft=auto check · {report['machine']} · torch {torch.__version__} · {report['threads']} threads",
+             *([f"  {report['command']}"] if "command" in report else []), ""]
     f = report.get("fresh")
     if f:
         lines += ["1. fresh processes (one chat prompt)",
@@ -151,7 +152,9 @@ def main(argv=None) -> int:
         args.processes, args.repeats, args.long_prompts, args.new_tokens = 2, 1, 1, 32
     model, tok, _, _ = load_for_decoding()
     machine = f"{cpu_description().split(' | ')[0]} ({torch.backends.cpu.get_cpu_capability()})"
-    report = {"machine": machine, "threads": torch.get_num_threads(), "long_prompts": args.long_prompts}
+    command = " ".join(["python -m mtpkit.bench.auto_check", *(sys.argv[1:] if argv is None else argv)])
+    report = {"command": command, "machine": machine, "threads": torch.get_num_threads(),
+              "long_prompts": args.long_prompts}
     if not args.skip_fresh:
         report["fresh"] = fresh_processes(args.processes, args.new_tokens)
     report["failing"] = failing_prompts(model, tok, args.new_tokens, args.repeats)

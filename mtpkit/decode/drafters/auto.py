@@ -47,8 +47,8 @@ class AutoDrafter:
     def __init__(self, setup: DraftSetup, controller: Controller, store_key: str | None):
         spec, self.model = setup.spec, setup.model
         self.head, self.generator, self.params = setup.head, setup.generator, setup.params
-        self.chain = mtp_chain.MTPChain(self.model, self.head, self.generator, spec.draft_tokens, ()) \
-            if spec.draft_tokens else None
+        self.chain = (mtp_chain.MTPChain(self.model, self.head, self.generator, spec.draft_tokens, ())
+                      if spec.draft_tokens else None)
         self.index = ContextLookup(setup.prompts, spec.draft_lookup, spec.draft_lookup_ngram)
         self.controller, self.store_key = controller, store_key
         self.router = router_for(self.model)

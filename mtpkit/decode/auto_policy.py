@@ -215,11 +215,10 @@ class Controller:
                 return True
         return False
 
-    def observe(self, r: int, source: str, drafted: int, accepted: int, confidences: list[float],
-                shadow: bool = False) -> None:
-        """Row r's verification step: `drafted` proposed from `source`, the first `accepted` kept; the head's
-        probability of each draft (for the calibration). shadow: drafts that were not verified but scored against
-        the text that came (a plain row's); they count as tries of the row's own."""
+    def observe(self, r: int, source: str, drafted: int, accepted: int, confidences: list[float]) -> None:
+        """Row r's verification step, or drafts scored against the text that came without being verified (they
+        count alike): `drafted` proposed from `source`, the first `accepted` kept; the head's probability of each
+        draft where known (for the calibration)."""
         getattr(self.row(r), source).observe(drafted, accepted)
         self.batch[source].observe(drafted, accepted)
         for j, q in enumerate(confidences[: accepted + 1]):

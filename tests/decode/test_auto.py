@@ -164,7 +164,7 @@ def test_a_row_goes_plain_where_drafts_fail_and_back_when_the_scored_drafts_come
         ctl.observe(0, "head", 3, 0, [0.9, 0.9, 0.9])
     assert ctl.plan(0, found=0).source == "plain"
     for _ in range(12):  # what a plain stretch's catch-up scored: the head's first drafts were right
-        ctl.observe(0, "head", 1, 1, [], shadow=True)
+        ctl.observe(0, "head", 1, 1, [])
     assert ctl.plan(0, found=0).source == "head"
     # a row whose drafts are kept drafts deep
     good = Controller(3, 8, _costs({1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}, 0.05))

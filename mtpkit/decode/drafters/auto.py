@@ -127,7 +127,7 @@ class AutoDrafter:
             kept = (top == tokens[:, 1:]).tolist()
             for r, row in zip(rows, kept):
                 for hit in row:
-                    self.controller.observe(r, "head", 1, int(hit), [], shadow=True)
+                    self.controller.observe(r, "head", 1, int(hit), [])
         return out[:, -1]
 
     def advance(self, state: DecodeState, verified: Verified) -> torch.Tensor | None:
@@ -155,7 +155,7 @@ class AutoDrafter:
         accepted = verified.accepted.tolist()
         for b in batch_rows:
             for hit in hits[b][: accepted[b]]:
-                self.controller.observe(rows[b], "head", 1, int(hit), [], shadow=True)
+                self.controller.observe(rows[b], "head", 1, int(hit), [])
 
     def emitted(self, row: int, tokens: list[int]) -> None:
         self.index.extend(row, tokens)
@@ -164,7 +164,7 @@ class AutoDrafter:
             came.extend(tokens)
             kept = next((i for i, (d, t) in enumerate(zip(drafts, came)) if d != t), min(len(drafts), len(came)))
             if kept < len(came) or kept == len(drafts):
-                self.controller.observe(row, "context", len(drafts), kept, [], shadow=True)
+                self.controller.observe(row, "context", len(drafts), kept, [])
                 del self.watch[row]
 
     def observed(self, accepted: list[int]) -> None:

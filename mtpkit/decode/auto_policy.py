@@ -139,8 +139,9 @@ class StepCosts:
         return DEFAULT_DRAFT_RATIO * self.verify(1)
 
     def record(self) -> dict:
-        """What the store keeps: seconds per verified width and per draft depth."""
-        verify = {str(n): s for n, s in {**self.seeded, **self.measured}.items()}
+        """What the store keeps: seconds per verified width and per draft depth, as measured in this call (a stored
+        figure this call did not measure is not carried on: the widths it measured replace the table)."""
+        verify = {str(n): s for n, s in (self.measured or self.seeded).items()}
         draft = statistics.median(self.drafts) if self.drafts else self.seeded_draft
         return {"verify": verify, **({"draft": draft} if draft is not None else {})}
 

@@ -181,7 +181,8 @@ class AutoDrafter:
             if plan.source != "plain":
                 qs = confidence[b][: counts[b]] if plan.source == "head" else []
                 self.controller.observe(r, plan.source, counts[b], accepted[b], qs)
-        costs.observe(drafts.tokens.shape[1] + 1, seconds, head_depths, draft_seconds if head_depths else 0.0)
+        # the step's drafting (the head's depths, a catch-up, the context's drafts) is not the verify's cost
+        costs.observe(drafts.tokens.shape[1] + 1, seconds, head_depths, draft_seconds)
 
     def finish(self) -> None:
         """Keep the measured step costs for the next process (route_store.py, "steps")."""

@@ -100,19 +100,20 @@ class StepCosts:
     def __init__(self, seeded: dict | None = None):
         self.steps: dict[int, deque] = {}
         self.drafts: deque = deque(maxlen=WINDOW)
+        self.measured: dict[int, float] = {}  # verify width -> the median of its window, kept as steps come in
+        self.draft_median: float | None = None
         self.seeded = {int(n): s for n, s in (seeded or {}).get("verify", {}).items()}
         self.seeded_draft = (seeded or {}).get("draft")
 
     def observe(self, verified: int, seconds: float, draft_depths: int = 0, draft_seconds: float = 0.0) -> None:
         """A step that verified `verified` tokens took `seconds`, of which `draft_seconds` drafted `draft_depths`
         depths."""
-        self.steps.setdefault(verified, deque(maxlen=WINDOW)).append(seconds - draft_seconds)
+        window = self.steps.setdefault(verified, deque(maxlen=WINDOW))
+        window.append(seconds - draft_seconds)
+        self.measured[verified] = statistics.median(window)  # once a step: plans read these many times a step
         if draft_depths:
             self.drafts.append(draft_seconds / draft_depths)
-
-    @property
-    def measured(self) -> dict[int, float]:
-        return {n: statistics.median(d) for n, d in self.steps.items()}
+            self.draft_median = statistics.median(self.drafts)
 
     def _ratio(self, n: int, m: int) -> float:
         """V(n) / V(m) as the stored figures have it, else by the default ratio."""
@@ -132,8 +133,8 @@ class StepCosts:
 
     def draft(self) -> float:
         """Seconds of one draft depth: measured, else the stored share of a plain step, else DEFAULT_DRAFT_RATIO."""
-        if self.drafts:
-            return statistics.median(self.drafts)
+        if self.draft_median is not None:
+            return self.draft_median
         if self.seeded_draft is not None and 1 in self.seeded:
             return self.seeded_draft / self.seeded[1] * self.verify(1)
         return DEFAULT_DRAFT_RATIO * self.verify(1)
@@ -142,7 +143,7 @@ class StepCosts:
         """What the store keeps: seconds per verified width and per draft depth, as measured in this call (a stored
         figure this call did not measure is not carried on: the widths it measured replace the table)."""
         verify = {str(n): s for n, s in (self.measured or self.seeded).items()}
-        draft = statistics.median(self.drafts) if self.drafts else self.seeded_draft
+        draft = self.draft_median if self.draft_median is not None else self.seeded_draft
         return {"verify": verify, **({"draft": draft} if draft is not None else {})}
 
 

@@ -81,6 +81,13 @@ class Cache:
         ]
         self.mtp = [kv() for _ in range(config.mtp_num_hidden_layers or config.mtp_parallel_heads)]
 
+    def reset(self) -> None:
+        """Ready for new prompts: the Gated DeltaNet states back to zero (KV slots need no clearing: a step attends
+        only to slots at or before its positions, which prefill and decoding write first)."""
+        for s in self.gdn_states():
+            s.conv.zero_()
+            s.recurrent.zero_()
+
     def gdn_states(self) -> list[GDNState]:
         return [s for s in self.layers if isinstance(s, GDNState)]
 

@@ -32,6 +32,7 @@ from .drafters import Drafter, DraftSetup, Prefill, Verified, build_drafter
 from .matmul_routing import router_for
 from .sampling import SamplingParams, select
 from .state import DecodeState, StepResult
+from .step_engine import StepEngine
 
 
 @dataclass
@@ -202,6 +203,7 @@ def generate(
     on_tokens: Callable[[int, list[int]], None] | None = None,
     on_hidden: Callable[[list[int], torch.Tensor], None] | None = None,
     drafter: Callable[[DraftSetup], Drafter] | None = None,
+    engine: str = "eager",
 ) -> GenerateResult:
     """Decode up to max_new_tokens new tokens per prompt (rows of token ids, or for a vision-language model
     dicts from `mtpkit.image_inputs` with the image patches), plainly or self-speculatively as `draft` says (a
@@ -217,7 +219,10 @@ def generate(
     of every token a forward reads (the prompt, then each new token but the last), for those prompt rows: a
     self-distillation run stores them as training features without running the trunk again.
     `drafter(setup)` builds a drafter of the caller's in place of the registry's (benchmarks: the oracle of
-    bench/oracle_drafter.py); `draft` still sizes each step's verify."""
+    bench/oracle_drafter.py); `draft` still sizes each step's verify.
+    `engine`: "eager" (the reference: each step at its own shapes, with the CPU's routed products), or fixed-shape
+    steps over the cache (`step_engine.py`): "static", "compile" (torch.compile), "cuda-graph" and
+    "compile+cuda-graph" (CUDA graphs replayed per step shape)."""
     knobs = DraftSpec(draft_tokens, draft_min_prob, tuple(draft_widths), draft_lookup, tuple(draft_lookup_ngram))
     if draft is not None and knobs != DraftSpec():
         raise ValueError("give the drafting knobs either as draft=DraftSpec(...) or as keyword arguments, not both")
@@ -251,10 +256,13 @@ def generate(
         draft_vocab = model.drafter.draft_vocab
     head = draft_head.DraftHead(model, params, draft_vocab, spec.draft_min_prob) if spec.draft_tokens else None
     spec.check(model, cfg.vocab_size if head is None or head.vocab is None else len(head.vocab))
+    router = router_for(model)
+    if engine != "eager":  # the routed products are the eager CPU path's; fixed-shape steps use torch's
+        model, router = StepEngine.of(model, engine, spec.most_verified), None
     setup = DraftSetup(model, spec, head, params, generator, rows)
     drafter = build_drafter(setup) if drafter is None else drafter(setup)
     book = _Bookkeeper(len(rows), spec, max_new_tokens, eos, _told(drafter, on_tokens))
-    with routed_linears(router_for(model)):
+    with routed_linears(router):
         return _decode(model, rows, vision, book, params, generator, drafter, spec, on_hidden)
 
 
@@ -289,8 +297,10 @@ def _decode(model, rows, vision, book: _Bookkeeper, params, generator, drafter, 
             on_hidden=None) -> GenerateResult:
     start = time.perf_counter()
     weight = model.output_weight
-    cache = Cache(model.config, len(rows), max(map(len, rows)) + book.max_new + spec.most_verified, weight.dtype,
-                  weight.device)
+    slots = max(map(len, rows)) + book.max_new + spec.most_verified
+    fixed = isinstance(model, StepEngine)
+    cache = model.new_cache(len(rows), slots) if fixed else Cache(model.config, len(rows), slots, weight.dtype,
+                                                                   weight.device)
     state = _prefill(model, cache, rows, vision, params, generator, drafter, on_hidden)
     keep = book.emit([[t] for t in state.last.tolist()])
     # a drafter that adapts (drafters/auto.py) is told each step's outcome, and when decoding ends
@@ -298,6 +308,8 @@ def _decode(model, rows, vision, book: _Bookkeeper, params, generator, drafter, 
     while keep:
         if len(keep) < state.batch:  # some rows stopped: drop them from the batch
             state = state.select(keep)
+        if fixed:
+            model.bind(state.cache)
         drafts = drafter.propose(state, book.live) if drafter is not None else None
         if drafts is None:
             result = _plain_step(model, state, params, generator)

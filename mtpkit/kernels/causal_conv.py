@@ -1,12 +1,11 @@
 """Depthwise causal conv1d + SiLU, the short convolution in front of the Gated DeltaNet q/k/v projections."""
 
 import functools
-import logging
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger("mtpkit")
+from .path_log import log_path
 
 __all__ = ["causal_conv1d"]
 
@@ -20,9 +19,6 @@ def _cuda_kernel():
     return causal_conv1d_fn
 
 
-@functools.cache
-def _log_path_once(message: str) -> None:
-    logger.info(message)
 
 
 def causal_conv1d(x, weight, initial_state=None):
@@ -41,7 +37,7 @@ def causal_conv1d(x, weight, initial_state=None):
         initial_state = x.new_zeros(B, C, K - 1)
 
     if x.is_cuda and 2 <= K <= 4 and C % 8 == 0 and (kernel := _cuda_kernel()) is not None:
-        _log_path_once("causal_conv1d: using the causal-conv1d CUDA kernel")
+        log_path("causal_conv1d: using the causal-conv1d CUDA kernel")
 
         # The kernel takes initial states / returns final states only in channel-last layout (stride 1 over C).
         def channel_last(t):
@@ -52,7 +48,7 @@ def causal_conv1d(x, weight, initial_state=None):
             return_final_states=True, activation="silu",
         )
 
-    _log_path_once("causal_conv1d: using pure-PyTorch F.conv1d")
+    log_path("causal_conv1d: using pure-PyTorch F.conv1d")
     padded = torch.cat([initial_state.to(x.dtype), x], dim=-1)  # [B, C, K-1+T]
     out = F.conv1d(padded.float(), weight.float().unsqueeze(1), groups=C)  # valid conv: [B, C, T]
     return F.silu(out).to(x.dtype), padded[..., T:]

@@ -25,12 +25,11 @@ run in the sequential scan. All decays are exponentials of non-positive numbers,
 """
 
 import functools
-import logging
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger("mtpkit")
+from .path_log import log_path
 
 __all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "gated_delta_rule"]
 
@@ -150,10 +149,6 @@ def _fla_chunk_kernel():
     return kernel
 
 
-@functools.cache
-def _log_path_once(message: str) -> None:
-    logger.info(message)
-
 
 def gated_delta_rule(q, k, v, g, beta, initial_state=None, cu_seqlens=None):
     """Gated delta rule for T > 1, dispatching to the fastest available implementation.
@@ -170,7 +165,7 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None, cu_seqlens=None):
         raise ValueError(f"cu_seqlens needs a single packed row (B=1), got B={q.shape[0]}")
 
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and (kernel := _fla_chunk_kernel()) is not None:
-        _log_path_once("gated_delta_rule: using flash-linear-attention chunk kernel")
+        log_path("gated_delta_rule: using flash-linear-attention chunk kernel")
         ratio = v.shape[2] // k.shape[2]
         if ratio > 1:  # older fla releases require as many q/k heads as v heads
             q = q.repeat_interleave(ratio, dim=2)
@@ -181,7 +176,7 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None, cu_seqlens=None):
         )
         return o.to(q.dtype), state.float()
 
-    _log_path_once("gated_delta_rule: using pure-PyTorch chunked form")
+    log_path("gated_delta_rule: using pure-PyTorch chunked form")
     if cu_seqlens is None:
         return chunk_gated_delta_rule(q, k, v, g, beta, initial_state)
 

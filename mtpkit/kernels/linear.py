@@ -20,14 +20,15 @@ _router: ContextVar = ContextVar("mtpkit_linear_router", default=None)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    router = _router.get()
+    # compiled code takes no router (a context variable would break its graph): routes are the eager CPU path's
+    router = None if torch.compiler.is_compiling() else _router.get()
     return F.linear(x, weight, bias) if router is None else router(x, weight, bias)
 
 
 def routed_layer(layer, x: torch.Tensor, ctx, cache) -> torch.Tensor | None:
     """The active router's fused computation of a whole decoder layer over a cached step (`router.layer`), or None
     when there is no router or it declines: the layer then runs its modules."""
-    router = _router.get()
+    router = None if torch.compiler.is_compiling() else _router.get()
     return None if router is None or cache is None else router.layer(layer, x, ctx, cache)
 
 

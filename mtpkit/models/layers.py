@@ -121,6 +121,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         # x [N, H]; top_idx, top_w [N, k]. Loop only over experts that received tokens.
+        if torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return self.gathered(x, top_idx, top_w)
         out = torch.zeros_like(x)
         flat = top_idx.flatten()
         order = flat.argsort()
@@ -137,6 +139,13 @@ class Experts(nn.Module):
             out.index_add_(0, tok, y.to(out.dtype))
             start += n
         return out
+
+    def gathered(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+        """Each token through its k experts' weights, gathered: no host read of the routing, so that a compiled or
+        CUDA-graph-captured decode step stays one graph; it reads k expert matrices a token (decode-sized N)."""
+        gate, up = torch.einsum("nh,nkih->nki", x, self.gate_up_proj[top_idx]).chunk(2, dim=-1)
+        y = torch.einsum("nki,nkhi->nkh", F.silu(gate) * up, self.down_proj[top_idx])  # [N, k, H]
+        return (y * top_w[..., None]).sum(dim=1)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         nn.init.normal_(self.gate_up_proj, std=std)

@@ -1,4 +1,3 @@
-import importlib
 import logging
 
 import pytest
@@ -6,10 +5,10 @@ import torch
 from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn as hf_conv_fn
 from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_update as hf_conv_update
 
+from mtpkit.kernels import path_log
 from mtpkit.kernels.causal_conv import causal_conv1d
 
 # importlib, not `from mtpkit.kernels import ...`: a package re-export could shadow the module name.
-causal_conv_module = importlib.import_module("mtpkit.kernels.causal_conv")
 
 B, C, K = 2, 12, 4
 TOL = dict(atol=1e-6, rtol=1e-6)
@@ -63,7 +62,7 @@ def test_short_input_keeps_part_of_initial_state_and_dtype():
 
 
 def test_logs_its_path_once(caplog):
-    causal_conv_module._log_path_once.cache_clear()
+    path_log._once.cache_clear()
     x, w = make_inputs(T=3)
     with caplog.at_level(logging.INFO, logger="mtpkit"):
         causal_conv1d(x, w)

@@ -1,4 +1,3 @@
-import importlib
 import logging
 
 import pytest
@@ -11,6 +10,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
     torch_recurrent_gated_delta_rule as hf_recurrent,
 )
 
+from mtpkit.kernels import path_log
 from mtpkit.kernels.gated_delta_rule import (
     chunk_gated_delta_rule,
     gated_delta_rule,
@@ -18,7 +18,6 @@ from mtpkit.kernels.gated_delta_rule import (
 )
 
 # importlib, not `from mtpkit.kernels import ...`: a package re-export could shadow the module name.
-gdr_module = importlib.import_module("mtpkit.kernels.gated_delta_rule")
 
 DK, DV = 16, 8
 TOL = dict(atol=1e-5, rtol=0)
@@ -187,7 +186,7 @@ def test_dispatcher_without_cu_seqlens_matches_chunked_and_rejects_bad_offsets()
 
 
 def test_dispatcher_logs_its_path_once(caplog):
-    gdr_module._log_path_once.cache_clear()
+    path_log._once.cache_clear()
     q, k, v, g, beta, _ = make_inputs(T=3)
     with caplog.at_level(logging.INFO, logger="mtpkit"):
         gated_delta_rule(q, k, v, g, beta)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ...decode.step_engine import ENGINES
 from . import correctness, decoding, report, training
 from .common import Budget, environment
 
@@ -34,7 +35,13 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of " + ", ".join(SECTIONS))
     p.add_argument("--peak-bandwidth", type=float, default=0.0, help="peak memory bandwidth in TB/s (default: "
                    "the datasheet figure of a known GPU)")
+    p.add_argument("--engines", default="", help="comma-separated decode step engines of the decoding section "
+                   "(default: eager,cuda-graph on a GPU, eager,static on CPU; see mtpkit.decode.step_engine)")
     args = p.parse_args(argv)
+    args.engines = tuple(e for e in args.engines.split(",") if e)
+    bad = set(args.engines) - set(ENGINES)
+    if bad:
+        raise ValueError(f"--engines: unknown {', '.join(sorted(bad))}; choose from {', '.join(ENGINES)}")
     unknown = set(args.sections.split(",")) - set(SECTIONS)
     if unknown:
         raise ValueError(f"--sections: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
@@ -49,7 +56,7 @@ def _section(name: str, args, device, budget) -> dict:
         if name == "correctness":
             out = correctness.run(device, args.tiny, budget, UNTIL[name])
         elif name == "decoding":
-            out = decoding.run(device, args.tiny, budget, UNTIL[name], args.peak_bandwidth)
+            out = decoding.run(device, args.tiny, budget, UNTIL[name], args.peak_bandwidth, args.engines)
         else:
             out = training.run(device, args.tiny, budget, UNTIL[name])
     except Exception as e:  # noqa: BLE001 - a section that breaks is recorded; the others still run

@@ -1,7 +1,8 @@
 """Section 2, decoding speed: random Qwen3.5-0.8B- and 2B-shaped models in bf16 (trunk + one MTP layer), batch 1
-and 8, 128 new tokens: plain and speculative tokens/s through `mtpkit.generate`, transformers' generate() on the
-same weights, the verify(k+1) / decode step-time ratio, and the memory bandwidth a decode step achieves, as a share
-of the bandwidth a device copy measures in the same run (and of the datasheet peak where known).
+and 8, 128 new tokens, per step engine (decode/step_engine.py: eager, and CUDA graphs on a GPU): plain and
+speculative tokens/s through `mtpkit.generate`, transformers' generate() on the same weights, the verify(k+1) /
+decode step-time ratio, and the memory bandwidth a decode step achieves, as a share of the bandwidth a device copy
+measures in the same run (and of the datasheet peak where known).
 
 The MTP head is random, so its drafts are almost never accepted: its rows measure what a speculative step costs
 against a plain one (= the mean acceptance length at which speculation breaks even). The oracle rows
@@ -11,6 +12,7 @@ the engine's speculative ceiling, apart from any head's quality.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -18,7 +20,8 @@ import torch
 from ...checkpoint.hf import build_model
 from ...decode.cache import Cache
 from ...decode.draft_spec import DraftSpec
-from ...decode.generate import generate
+from ...decode.generate import generate as generate_with
+from ...decode.step_engine import StepEngine
 from ...models.mtp import is_mtp_param
 from ..oracle_drafter import oracle
 from ..timing import median_seconds, sync
@@ -28,6 +31,9 @@ from .models import hf_twin, qwen35_shapes
 
 KS = (1, 2, 3)
 ORACLE_RATE = 0.7  # the fixed acceptance rate of the second oracle row (mean acceptance length 2.19 at k = 3)
+# step engines measured by default: eager (the reference) and the fixed-shape steps a device replays fastest; CPU
+# runs the fixed shapes uncompiled (what the graphs replay), compiling there would take minutes of a smoke test
+ENGINES = {"cuda": ("eager", "cuda-graph"), "cpu": ("eager", "static")}
 
 
 def decode_bytes(model, batch: int, context: int) -> int:
@@ -48,23 +54,30 @@ def decode_bytes(model, batch: int, context: int) -> int:
 
 
 @torch.inference_mode()
-def step_times(model, ids: torch.Tensor, repeats: int) -> dict:
+def step_times(model, ids: torch.Tensor, repeats: int, engine: str = "eager") -> dict:
     """Median seconds of one decode forward and of a (k+1)-token verify forward (GDN history kept, as in
-    speculative decoding) after a prefill of all but the last max(KS)+1 tokens of ids [B, T]."""
+    speculative decoding) after a prefill of all but the last max(KS)+1 tokens of ids [B, T], as `engine` runs
+    them (a CUDA graph is captured on a step's second call: two untimed calls first)."""
     B, T = ids.shape
     P = T - max(KS) - 1
     w = model.output_weight
     cache = Cache(model.config, B, T + 1, w.dtype, w.device)
     pos = torch.arange(T, device=w.device).expand(B, T)
     model(ids[:, :P], positions=pos[:, :P], cache=cache, return_logits=False, kv_len=P)
-    out = {"decode": median_seconds(lambda: model(ids[:, P : P + 1], positions=pos[:, P : P + 1], cache=cache,
-                                                  kv_len=P + 1), w.device, repeats)}
+    step = model
+    if engine != "eager":
+        step = StepEngine(model, engine, max(KS) + 1)
+        step.bind(cache)
+    out = {"decode": median_seconds(lambda: step(ids[:, P : P + 1], positions=pos[:, P : P + 1], cache=cache,
+                                                 cache_positions=pos[:, P : P + 1], kv_len=P + 1), w.device, repeats,
+                                    warmup=2)}
     for k in KS:
         def verify(k=k):
             with cache.verifying():  # the recorded history is dropped: each call verifies from the same state
-                model(ids[:, P : P + k + 1], positions=pos[:, P : P + k + 1], cache=cache, kv_len=P + k + 1)
+                step(ids[:, P : P + k + 1], positions=pos[:, P : P + k + 1], cache=cache,
+                     cache_positions=pos[:, P : P + k + 1], kv_len=P + k + 1)
 
-        out[f"verify{k + 1}"] = median_seconds(verify, w.device, repeats)
+        out[f"verify{k + 1}"] = median_seconds(verify, w.device, repeats, warmup=2)
     return out
 
 
@@ -95,13 +108,17 @@ def measured_bandwidth(device: torch.device, tiny: bool) -> float:
 
 
 def measure(model, hf, batch: int, new_tokens: int, prompt_len: int, repeats: int, peak_bw,
-            copy_bw: float | None = None) -> dict:
+            copy_bw: float | None = None, engine: str = "eager") -> dict:
+    """One (model, batch, engine) row; transformers' generate() measured alongside when `hf` is given."""
     device = model.output_weight.device
     g = torch.Generator().manual_seed(batch)
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g)
     prompts = ids.tolist()
-    for k in (0, *KS):  # warm-up: kernel autotuning, allocator, cuBLAS handles
-        generate(model, prompts, max_new_tokens=4, draft_tokens=k)
+    generate = functools.partial(generate_with, engine=engine)
+
+    for k in (0, *KS):  # warm-up: kernel autotuning, allocator, cuBLAS handles, each step's graph captured
+        for _ in range(2 if engine.endswith("cuda-graph") else 1):
+            generate(model, prompts, max_new_tokens=4, draft_tokens=k)
     plain = generate(model, prompts, max_new_tokens=new_tokens)
     step = plain.stats["seconds"] / plain.stats["forward_passes"]
     rec = {"plain_tokens_per_s": round(plain.stats["tokens_per_second"], 1), "plain_step_ms": round(1e3 * step, 2)}
@@ -127,7 +144,7 @@ def measure(model, hf, batch: int, new_tokens: int, prompt_len: int, repeats: in
                 "identical_to_plain": res.tokens == plain.tokens,
             }
     times = step_times(model, torch.randint(0, model.config.vocab_size, (batch, prompt_len + max(KS) + 1),
-                                            generator=g).to(device), repeats)
+                                            generator=g).to(device), repeats, engine)
     rec["decode_ms"] = round(1e3 * times["decode"], 3)
     rec.update({f"verify{k + 1}_over_decode": round(times[f"verify{k + 1}"] / times["decode"], 3) for k in KS})
     moved = decode_bytes(model, batch, prompt_len)
@@ -146,8 +163,10 @@ def measure(model, hf, batch: int, new_tokens: int, prompt_len: int, repeats: in
     return rec
 
 
-def run(device: torch.device, tiny: bool, budget: Budget, until: float, peak_bw_tbs: float = 0.0) -> dict:
+def run(device: torch.device, tiny: bool, budget: Budget, until: float, peak_bw_tbs: float = 0.0,
+        engines: tuple[str, ...] = ()) -> dict:
     quiet_transformers()
+    engines = engines or ENGINES[device.type]
     records: list[dict] = []
     batches, new_tokens, prompt_len, repeats = ((1, 2), 8, 16, 3) if tiny else ((1, 8), 128, 64, 20)
     peak = peak_bandwidth(device, peak_bw_tbs)
@@ -166,12 +185,14 @@ def run(device: torch.device, tiny: bool, budget: Budget, until: float, peak_bw_
 
         guarded(records, f"transformers twin {name}", make_twin)
         for batch in batches:
-            if budget.left(until) < 0:
-                skipped(records, f"decode {name}", "time budget", batch=batch)
-                continue
-            guarded(records, f"decode {name}", lambda: measure(model, twin[0] if twin else None, batch, new_tokens,
-                                                               prompt_len, repeats, peak, copy_bw),
-                    batch=batch, new_tokens=new_tokens, prompt=prompt_len, dtype="bfloat16")
+            for engine in engines:
+                if budget.left(until) < 0:
+                    skipped(records, f"decode {name}", "time budget", batch=batch, engine=engine)
+                    continue
+                hf = twin[0] if twin and engine == engines[0] else None  # transformers once per batch
+                guarded(records, f"decode {name}", lambda: measure(model, hf, batch, new_tokens, prompt_len, repeats,
+                                                                   peak, copy_bw, engine),
+                        batch=batch, engine=engine, new_tokens=new_tokens, prompt=prompt_len, dtype="bfloat16")
         del model, twin
         free_memory()
     return {"runs": records, "peak_bandwidth": peak, "measured_copy_bandwidth": copy_bw}
@@ -184,7 +205,7 @@ def summary(section: dict) -> str:
     parts = []
     for r in runs:
         best = max(KS, key=lambda k: r[f"k{k}"]["tokens_per_s"])
-        part = (f"{r['name'].removeprefix('decode ')} b{r['batch']}: plain {r['plain_tokens_per_s']} tok/s, "
+        part = (f"{r['name'].removeprefix('decode ')} b{r['batch']} {r['engine']}: plain {r['plain_tokens_per_s']} tok/s, "
                 f"k={best} {r[f'k{best}']['tokens_per_s']}, verify2/decode {r['verify2_over_decode']}")
         if "fraction_of_measured_bandwidth" in r:
             part += f", {100 * r['fraction_of_measured_bandwidth']:.0f}% of copy BW"

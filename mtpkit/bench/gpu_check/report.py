@@ -34,22 +34,23 @@ def correctness_lines(section: dict) -> list[str]:
 
 
 def decoding_lines(section: dict) -> list[str]:
-    lines = ["  model  batch  plain tok/s  k=1 / k=2 / k=3 tok/s  spec step/plain k=1..3  verify2,3,4/decode  "
-             "decode ms  GB/s (of peak)  HF tok/s"]
+    lines = ["  model  batch  engine      plain tok/s  k=1 / k=2 / k=3 tok/s  spec step/plain k=1..3  "
+             "verify2,3,4/decode  decode ms  GB/s (of copy)  oracle k=1..3  HF tok/s"]
     for r in section.get("runs", []):
         if "plain_tokens_per_s" not in r:
             info = r.get("skipped") or r.get("error") or f"logits vs mtpkit: rel max err {r.get('rel_max_err_logits')}"
             lines.append(f"  {_mark(r):>5}  {r['name']} {r.get('batch', '')}: {info}")
             continue
         ks = [r[f"k{k}"] for k in (1, 2, 3)]
-        bw = f"{r['achieved_GBps']}" + (f" ({100 * r['fraction_of_peak_bandwidth']:.0f}%)"
-                                        if "fraction_of_peak_bandwidth" in r else "")
+        bw = f"{r['achieved_GBps']}" + (f" ({100 * r['fraction_of_measured_bandwidth']:.0f}%)"
+                                        if "fraction_of_measured_bandwidth" in r else "")
+        oracle = " / ".join(f"{r[f'oracle_k{k}_r1']['speedup']}x" for k in (1, 2, 3))
         lines.append(
-            f"  {r['name'].removeprefix('decode '):<6} {r['batch']:>5}  {r['plain_tokens_per_s']:>11}  "
-            f"{' / '.join(str(k['tokens_per_s']) for k in ks):>22}  "
+            f"  {r['name'].removeprefix('decode '):<6} {r['batch']:>5}  {r.get('engine', 'eager'):<10}  "
+            f"{r['plain_tokens_per_s']:>11}  {' / '.join(str(k['tokens_per_s']) for k in ks):>22}  "
             f"{' / '.join(str(k['break_even_acceptance_length']) for k in ks):>22}  "
             f"{' / '.join(str(r[f'verify{k + 1}_over_decode']) for k in (1, 2, 3)):>18}  {r['decode_ms']:>9}  "
-            f"{bw:>14}  {r.get('hf_tokens_per_s', '-')}")
+            f"{bw:>14}  {oracle:>13}  {r.get('hf_tokens_per_s', '-')}")
     return lines
 
 

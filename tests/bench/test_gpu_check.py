@@ -30,6 +30,8 @@ def test_tiny_cpu_run_writes_every_section(tmp_path, capsys):
     for r in runs:
         assert r["plain_tokens_per_s"] > 0 and r["decode_bytes"] > 0
         assert (r.get("hf_tokens_per_s", 0) > 0) == (r["engine"] == "eager")  # transformers once per batch
+        if r["engine"] == "static":  # the fixed-shape steps' output against eager's
+            assert "first_divergence_from_eager" in r
         assert all(r[f"k{k}"]["identical_to_plain"] for k in (1, 2, 3))  # lossless, bf16 on CPU too
         for k in (1, 2, 3):  # the oracle's drafts are all kept at rate 1, fewer at 0.7; output unchanged
             full, part = r[f"oracle_k{k}_r1"], r[f"oracle_k{k}_r0.7"]

@@ -108,8 +108,10 @@ def measured_bandwidth(device: torch.device, tiny: bool) -> float:
 
 
 def measure(model, hf, batch: int, new_tokens: int, prompt_len: int, repeats: int, peak_bw,
-            copy_bw: float | None = None, engine: str = "eager") -> dict:
-    """One (model, batch, engine) row; transformers' generate() measured alongside when `hf` is given."""
+            copy_bw: float | None = None, engine: str = "eager", plain_tokens: dict | None = None) -> dict:
+    """One (model, batch, engine) row; transformers' generate() measured alongside when `hf` is given.
+    plain_tokens: the batch's plain output per engine measured so far; this row's is compared with the first's
+    (fixed-shape steps reduce over more cache slots: in bf16 a near-tie may flip) and added."""
     device = model.output_weight.device
     g = torch.Generator().manual_seed(batch)
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g)
@@ -122,6 +124,11 @@ def measure(model, hf, batch: int, new_tokens: int, prompt_len: int, repeats: in
     plain = generate(model, prompts, max_new_tokens=new_tokens)
     step = plain.stats["seconds"] / plain.stats["forward_passes"]
     rec = {"plain_tokens_per_s": round(plain.stats["tokens_per_second"], 1), "plain_step_ms": round(1e3 * step, 2)}
+    if plain_tokens:
+        first, tokens = next(iter(plain_tokens.items()))
+        rec[f"first_divergence_from_{first}"] = first_divergence(tokens, plain.tokens)
+    if plain_tokens is not None:
+        plain_tokens[engine] = plain.tokens
     for k in KS:
         res = generate(model, prompts, max_new_tokens=new_tokens, draft_tokens=k)
         spec_step = res.stats["seconds"] / res.stats["forward_passes"]
@@ -185,13 +192,14 @@ def run(device: torch.device, tiny: bool, budget: Budget, until: float, peak_bw_
 
         guarded(records, f"transformers twin {name}", make_twin)
         for batch in batches:
+            plain_tokens: dict = {}
             for engine in engines:
                 if budget.left(until) < 0:
                     skipped(records, f"decode {name}", "time budget", batch=batch, engine=engine)
                     continue
                 hf = twin[0] if twin and engine == engines[0] else None  # transformers once per batch
                 guarded(records, f"decode {name}", lambda: measure(model, hf, batch, new_tokens, prompt_len, repeats,
-                                                                   peak, copy_bw, engine),
+                                                                   peak, copy_bw, engine, plain_tokens),
                         batch=batch, engine=engine, new_tokens=new_tokens, prompt=prompt_len, dtype="bfloat16")
         del model, twin
         free_memory()

@@ -102,6 +102,8 @@ class StepEngine:
         return self._model()
 
     def __getattr__(self, name):
+        if name.startswith("_"):  # the engine's own, not set yet (copy, pickle): never the model's
+            raise AttributeError(name)
         return getattr(self.model, name)
 
     def new_cache(self, batch: int, slots: int) -> Cache:

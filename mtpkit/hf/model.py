@@ -114,7 +114,7 @@ class MTPModel(nn.Module):
         # detach_trunk / MTP-only: the MTP reads the trunk's outputs as constants; the main CE still reads `hidden`
         detached = cfg.only or cfg.detach_trunk
         mtp_hidden = teacher_forced(self.mtp, self.trunk_config, embeds.detach() if detached else embeds,
-                                    hidden.detach() if detached else hidden, positions, seg, n)
+                                    hidden.detach() if detached else hidden, positions, seg, n, cfg.as_drafted)
         counts = None
         if num_items_in_batch is not None:  # Trainer's global main count; each depth's from its local share of it
             local = targets.counts.tolist()

@@ -159,6 +159,7 @@ class CausalLM(nn.Module):
         trunk_grad: bool = True,
         trunk_hidden: torch.Tensor | None = None,
         tree: torch.Tensor | None = None,
+        mtp_as_drafted: bool = False,
     ) -> ModelOutput:
         """input_ids [B, T] (or inputs_embeds [B, T, H]); positions [B, T] or MRoPE [3, B, T]; segment_ids [B, T]
         for packed documents. `mtp=True` adds teacher-forced MTP outputs for depths 1..D (`mtp=n`: n chained
@@ -171,7 +172,8 @@ class CausalLM(nn.Module):
         the MTP reads its outputs and lm_head detached; only the MTP builds a graph. `trunk_hidden` [B, T, H]: the
         trunk's stored post-norm output (`mtpkit features`), used in place of running the decoder layers.
         `tree` [T, T] bool (with a cache, T tokens at consecutive slots): token i attends to token j of this forward
-        only where tree[i, j] (its ancestors and itself in a draft tree, `decode/tree.py`), and to all slots before."""
+        only where tree[i, j] (its ancestors and itself in a draft tree, `decode/tree.py`), and to all slots before.
+        `mtp_as_drafted`: chained depths attend as a draft chain reads the decode cache (`mtp.teacher_forced`)."""
         with contextlib.nullcontext() if trunk_grad else torch.no_grad():
             x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
             if positions is None:
@@ -191,7 +193,7 @@ class CausalLM(nn.Module):
             depths = self.config.mtp_num_hidden_layers if mtp is True else int(mtp)
             detached = detach_trunk or not trunk_grad
             embeds, trunk = (x.detach(), hidden.detach()) if detached else (x, hidden)
-            out.mtp_hidden = self.mtp_teacher_forced(embeds, trunk, positions, segment_ids, depths)
+            out.mtp_hidden = self.mtp_teacher_forced(embeds, trunk, positions, segment_ids, depths, mtp_as_drafted)
             if return_logits:
                 head = (lambda m: F.linear(m, self.output_weight.detach())) if detached else self.logits
                 out.mtp_logits = [head(m) for m in out.mtp_hidden]
@@ -213,9 +215,10 @@ class CausalLM(nn.Module):
                 h = h.masked_scatter(mask[..., None], h[mask] + deepstack[1][i].to(h.dtype))
         return self.model.norm(h)
 
-    def mtp_teacher_forced(self, embeds, hidden, positions, segment_ids, depths: int) -> list[torch.Tensor]:
+    def mtp_teacher_forced(self, embeds, hidden, positions, segment_ids, depths: int,
+                           as_drafted: bool = False) -> list[torch.Tensor]:
         """Depth d's MTP output [B, T-d, H] for d = 1..depths (see `mtp.teacher_forced`)."""
-        return teacher_forced(self.mtp, self.config, embeds, hidden, positions, segment_ids, depths)
+        return teacher_forced(self.mtp, self.config, embeds, hidden, positions, segment_ids, depths, as_drafted)
 
     def mtp_step(
         self, token_ids, hidden, positions, depth: int, cache, cache_positions=None, kv_len: int | None = None,

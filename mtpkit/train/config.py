@@ -41,6 +41,9 @@ class MTPSection:
     init_from: str | None = None  # init = "checkpoint" from this head file (`mtpkit export --mtp-only`): warm start
     only: bool = False  # MTP-only: trunk, embedding and lm_head frozen; only mtp.* is trained
     detach_trunk: bool = False  # joint, isolated: the trunk learns from the main loss only, mtp.* from the MTP loss
+    # depths >= 2 attend to what a draft chain reads from the decode cache (depth 1's keys, then the chain's own),
+    # not to their own depth's rows (models/mtp.py `_DraftedKV`); needs one shared MTP layer
+    as_drafted: bool = False
     mtp_lambda: float = 0.1  # total MTP weight; depth d gets mtp_lambda / D unless `weights` is given
     weights: list[float] | None = None  # explicit per-depth weights, e.g. [0.51, 0.31, 0.18]
     lambda_schedule: list[list[float]] | None = None  # [[step, lambda], ...]: lambda from that step on
@@ -67,6 +70,9 @@ class MTPSection:
         if self.kind == "parallel" and (self.depth == 0 or self.detach_trunk):
             raise ConfigKeyError("mtp.kind = 'parallel' needs mtp.depth >= 1 (the number of heads) and "
                                  "mtp.detach_trunk = false (the heads share the trunk's final norm)")
+        if self.as_drafted and (self.kind != "sequential" or self.layers not in (0, 1) or self.depth < 2):
+            raise ConfigKeyError("mtp.as_drafted trains chained depths of one shared MTP layer: it needs mtp.kind = "
+                                 "'sequential', mtp.depth >= 2 and a one-layer head (mtp.layers = 1)")
         if self.mtp_lambda < 0:
             raise ConfigKeyError(f"mtp.mtp_lambda must be >= 0, not {self.mtp_lambda}")
         if self.weights is not None:

@@ -196,7 +196,7 @@ def compute_loss(model, batch: dict, cfg: MTPSection, targets: Targets | None = 
         raise ValueError("with_main=False is for MTP-only training, where the main CE is only reported")
     targets = loss_targets(batch, cfg) if targets is None else targets
     out = model(**model_inputs(batch), mtp=len(targets.weights) or False, return_logits=False,
-                detach_trunk=cfg.detach_trunk, trunk_grad=not cfg.only)
+                detach_trunk=cfg.detach_trunk, trunk_grad=not cfg.only, mtp_as_drafted=cfg.as_drafted)
     vocab = model.drafter.draft_vocab if targets.weights else None
     return score(out.hidden, out.mtp_hidden, model.output_weight, vocab, batch, cfg, targets, token_counts, with_main)
 

@@ -53,13 +53,15 @@ def split_prompts(prompts: list[dict], eval_prompts: list[dict] | None, eval_eve
 
 
 def train_config(model_dir, features, run_dir, *, tokens: int, layers: int, depth: int | None, epochs: float,
-                 lr: float, batch_size: int, seq_len: int, device: str, seed: int, progress: bool) -> dict:
-    """The MTP-only training of the head from the features: `epochs` passes over `tokens`, cosine schedule."""
+                 lr: float, batch_size: int, seq_len: int, device: str, seed: int, progress: bool,
+                 as_drafted: bool = False) -> dict:
+    """The MTP-only training of the head from the features: `epochs` passes over `tokens`, cosine schedule
+    (`as_drafted`: chained depths attend as a draft chain reads the cache, `[mtp] as_drafted`)."""
     depth = depth or (3 if layers == 1 else layers)
     steps = max(1, math.ceil(epochs * tokens / (batch_size * seq_len)))
     return {
         "model": {"path": str(model_dir)},
-        "mtp": {"depth": depth, "layers": layers, "init": "checkpoint", "only": True,
+        "mtp": {"depth": depth, "layers": layers, "init": "checkpoint", "only": True, "as_drafted": as_drafted,
                 "weights": FASTMTP_WEIGHTS if depth == 3 else [1.0 / depth] * depth},
         "data": {"mode": "features", "features": str(features), "seq_len": seq_len},
         "train": {"run_dir": str(run_dir), "steps": steps, "batch_size": batch_size, "device": device,
@@ -92,7 +94,8 @@ def acceptance(model_dir, prompts: list[dict], *, device, dtype, ks, num_tokens:
 def refresh(model, prompts, out, *, head_from=None, eval_prompts=None, eval_every: int = 10,
             max_new_tokens: int = 128, batch_size: int = 64, device: str = "auto", dtype: str = "auto",
             depth: int | None = None, epochs: float = 2.0, lr: float = 1e-3, train_batch_size: int = 16,
-            seq_len: int = 1024, seed: int = 0, ks=(1, 2, 3), eval_tokens: int = 128, progress: bool = True) -> dict:
+            seq_len: int = 1024, seed: int = 0, ks=(1, 2, 3), eval_tokens: int = 128, progress: bool = True,
+            as_drafted: bool = False) -> dict:
     """Refresh the MTP head of the HF directory `model` (with --head-from's head grafted in first when given) on
     the model's own continuations of `prompts` (a prompts file, `datasets.distill.read_user_prompts`); write OUT as
     the module docstring says and return the report."""
@@ -132,7 +135,8 @@ def refresh(model, prompts, out, *, head_from=None, eval_prompts=None, eval_ever
     tokens = sum(len(json.loads(line)["input_ids"]) for line in records.read_text().splitlines() if line.strip())
     cfg = config_from_dict(train_config(model_dir, features, out / "train", tokens=tokens, layers=layers,
                                         depth=depth, epochs=epochs, lr=lr, batch_size=train_batch_size,
-                                        seq_len=seq_len, device=device_type, seed=seed, progress=progress))
+                                        seq_len=seq_len, device=device_type, seed=seed, progress=progress,
+                                        as_drafted=as_drafted))
     refreshed = out / "hf"
     if not refreshed.exists():
         train(cfg)

@@ -113,3 +113,17 @@ def test_a_rerun_with_other_prompts_is_refused(planted, tmp_path):
     with pytest.raises(ValueError, match="other settings"):
         refresh(planted / "finetuned", tmp_path / "other.txt", tmp_path / "out", **run)
     refresh(planted / "finetuned", planted / "prompts.txt", tmp_path / "out", **run)  # the same command resumes
+
+
+def test_as_drafted_reaches_the_head_training(tmp_path):
+    from mtpkit.refresh import train_config
+    from mtpkit.train.config import ConfigKeyError, config_from_dict
+
+    def config(layers, as_drafted):
+        return config_from_dict(train_config(tmp_path, tmp_path, tmp_path / "run", tokens=4096, layers=layers,
+                                             depth=None, epochs=1, lr=1e-3, batch_size=2, seq_len=64, device="cpu",
+                                             seed=0, progress=False, as_drafted=as_drafted))
+
+    assert config(1, True).mtp.as_drafted and not config(1, False).mtp.as_drafted
+    with pytest.raises(ConfigKeyError, match="as_drafted"):  # a head of 2 layers drafts depth 2 with its own layer
+        config(2, True)

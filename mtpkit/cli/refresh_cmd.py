@@ -25,6 +25,9 @@ def add_parser(sub) -> None:
     p.add_argument("--train-batch-size", type=int, default=16, help="packed rows of --seq-len tokens per step")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--as-drafted", action="store_true",
+                   help="train the chained depths on what a draft chain reads from the MTP cache ([mtp] as_drafted; "
+                        "one-layer heads)")
 
 
 def run(args) -> int:
@@ -38,7 +41,7 @@ def run(args) -> int:
     report = refresh(args.model, args.prompts, args.out, head_from=args.head_from, eval_prompts=args.eval_prompts,
                      max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, device=args.device,
                      dtype=args.dtype, epochs=args.epochs, lr=args.lr, train_batch_size=args.train_batch_size,
-                     seq_len=args.seq_len, seed=args.seed)
+                     seq_len=args.seq_len, seed=args.seed, as_drafted=args.as_drafted)
     print(render(report))
     print(f"refreshed model (mtp.* included) -> {args.out}/hf")
     return 0

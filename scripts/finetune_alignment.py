@@ -8,6 +8,7 @@ with the same data order, steps and seed:
   c    the trunk from the main loss, the head from the isolated MTP loss (mtp.detach_trunk)
   d    a, then `mtpkit refresh` (MTP-only on the fine-tuned model's own continuations of training-file prompts)
   e    b01, then the same refresh
+  f    a, then the same refresh with its chained depths trained as they draft (`mtpkit refresh --as-drafted`)
 The MTP loss trains the head's one layer at three chained depths with FastMTP's weights [0.51, 0.31, 0.18] x lambda,
 as it drafts at k = 3. Every model is measured on held-out files (main loss, 1,024-token windows), on the base
 model's own answers to the 60 general benchmark prompts (main loss: what the fine-tune costs the model's general
@@ -62,8 +63,10 @@ ARMS = {  # arm -> the [mtp] section of its fine-tune (None: the refresh of anot
     "c": {"mtp_lambda": 0.1, "detach_trunk": True},
     "d": None,
     "e": None,
+    "f": None,
 }
-REFRESHED = {"d": "a", "e": "b01"}
+REFRESHED = {"d": "a", "e": "b01", "f": "a"}
+AS_DRAFTED = {"f"}  # refreshes whose depths >= 2 attend as a draft chain reads the MTP cache ([mtp] as_drafted)
 # sizes: (train tokens per arm, rows per step, seq_len, domain prompts, general prompts, new tokens, loss windows,
 # refresh prompts, timed prompts)
 FULL = dict(train_tokens=2_097_152, batch=32, seq_len=1024, domain_prompts=128, general_prompts=60, new_tokens=160,
@@ -357,7 +360,8 @@ def run_arm(arm, seed, key, setup, corpus, out, device, size, results, answers, 
                       eval_prompts=out / "refresh_eval_prompts.jsonl", device=device.type, dtype="float32",
                       batch_size=512 if device.type == "cuda" else 16, seed=seed, seq_len=size["seq_len"],
                       train_batch_size=32 if device.type == "cuda" else size["batch"],
-                      max_new_tokens=16 if tiny else 128, ks=(1,), eval_tokens=64, progress=False)
+                      max_new_tokens=16 if tiny else 128, ks=(1,), eval_tokens=64, progress=False,
+                      as_drafted=arm in AS_DRAFTED)
         wall = results[source]["wall_seconds"] + sum(rep["seconds"].values())
         extra = {"refresh": {"distilled_tokens": rep["distilled_tokens"], "steps": rep["train_steps"],
                              "seconds": rep["seconds"]}}
@@ -450,7 +454,7 @@ def main() -> int:
     table = summary(results)
     text = render(table)
     extras = []
-    for arm in ("b01", "b03", "c", "d", "e"):
+    for arm in ("b01", "b03", "c", "d", "e", "f"):
         if any(k.startswith(arm + "/") for k in results):
             d, se = paired_vs(results, arm, "a")
             extras.append(f"- domain k=1, {arm} - a: {d:+.3f} ± {se:.3f} (paired over prompts and seeds)")

@@ -24,6 +24,7 @@ from collections import OrderedDict
 
 import torch
 
+from ..models.transformer import ModelOutput
 from .cache import Cache
 
 ENGINES = ("eager", "static", "compile", "cuda-graph", "compile+cuda-graph")
@@ -133,8 +134,6 @@ class StepEngine:
         if input_ids is None or rest.keys() - {"positions"} or not self._fixed(cache, input_ids.shape[1]):
             return self.model(input_ids, cache=cache, cache_positions=cache_positions, kv_len=kv_len, tree=tree,
                               **rest)
-        from ..models.transformer import ModelOutput
-
         key = ("trunk", *input_ids.shape, tree is not None, any(s.keep_history for s in cache.gdn_states()))
         tensors = [input_ids, rest["positions"], cache_positions] + ([] if tree is None else [tree])
         model = self.model

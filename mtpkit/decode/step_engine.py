@@ -128,7 +128,7 @@ class StepEngine:
             self._bound = next((g for g in self._kept.values() if g.cache is cache), None) or _Graphs(cache)
 
     def _fixed(self, cache, tokens: int) -> bool:
-        return cache is not None and self._bound is not None and cache is self._bound.cache and tokens <= self.max_tokens
+        return self._bound is not None and cache is self._bound.cache and tokens <= self.max_tokens
 
     def __call__(self, input_ids=None, *, cache=None, cache_positions=None, kv_len=None, tree=None, **rest):
         if input_ids is None or rest.keys() - {"positions"} or not self._fixed(cache, input_ids.shape[1]):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from tiny_models import random_mtp_tensors, save_hf, save_word_tokenizer
+from tiny_models import random_mtp_tensors, save_hf, save_word_tokenizer, tiny_mtp_model
 
 import mtpkit
 from mtpkit.bench import speedup
@@ -27,10 +27,7 @@ JSON_KEYS = {"draft_tokens", "prompts", "baseline_tokens_per_s", "spec_tokens_pe
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("q35")
-    ref = tiny_hf_model("qwen3_5")
-    save_hf(ref, path, mtp_tensors=random_mtp_tensors(ref))
-    return mtpkit.load_model(path)
+    return tiny_mtp_model("qwen3_5", tmp_path_factory.mktemp("q35"))
 
 
 def test_run_bench_figures(model, tmp_path):

@@ -4,12 +4,11 @@ graph-safe gathered form equals the sorted loop."""
 
 import pytest
 import torch
-from tiny_models import random_mtp_tensors, save_hf
+from tiny_models import tiny_mtp_model
 
 import mtpkit
 from mtpkit.decode.step_engine import CACHE_BLOCK, StepEngine
 from mtpkit.models.layers import Experts
-from mtpkit.models.presets import tiny_hf_model
 
 # rows of different lengths; an EOS that only some rows reach makes the batch shrink mid-call
 PROMPTS = [[1, 5, 9, 33, 7], [2, 8, 100, 4], [3, 3, 200, 17, 90, 61, 5]]
@@ -62,9 +61,7 @@ def test_bad_engine_is_one_clear_error(model):
 def test_compiled_steps_equal_eager(tmp_path):
     """torch.compile of the fixed-shape trunk and MTP steps (one graph each, inductor's CPU code) on the hybrid
     model: Gated DeltaNet state and its verification history, attention, the MTP layer."""
-    ref = tiny_hf_model("qwen3_5")
-    save_hf(ref, tmp_path, mtp_tensors=random_mtp_tensors(ref))
-    model = mtpkit.load_model(tmp_path)
+    model = tiny_mtp_model("qwen3_5", tmp_path)
     eos = eos_mid_call(model)
     for draft in ({}, {"draft_tokens": 2}):
         eager = run(model, "eager", eos_token_id=eos, **draft)

@@ -4,22 +4,17 @@ chain's own slots), and packing keeps documents apart."""
 
 import pytest
 import torch
-from tiny_models import random_mtp_tensors, save_hf
+from tiny_models import tiny_mtp_model
 
-import mtpkit
 from mtpkit.decode.cache import Cache
 from mtpkit.models.mtp import teacher_forced
-from mtpkit.models.presets import tiny_hf_model
 
 T, DEPTHS = 11, 3
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("as_drafted")
-    ref = tiny_hf_model("qwen3_5")
-    save_hf(ref, path, mtp_tensors=random_mtp_tensors(ref))
-    return mtpkit.load_model(path)
+    return tiny_mtp_model("qwen3_5", tmp_path_factory.mktemp("as_drafted"))
 
 
 def depths(model, ids, segment_ids=None, positions=None, as_drafted=True):
@@ -69,9 +64,7 @@ def test_packed_documents_stay_apart(model):
 
 
 def test_needs_one_shared_layer(tmp_path):
-    ref = tiny_hf_model("qwen3_5")
-    save_hf(ref, tmp_path, mtp_tensors=random_mtp_tensors(ref, depth=2))
-    two = mtpkit.load_model(tmp_path)
+    two = tiny_mtp_model("qwen3_5", tmp_path, depth=2)
     ids = torch.zeros(1, 5, dtype=torch.long)
     with pytest.raises(ValueError, match="one shared MTP layer"):
         depths(two, ids)

@@ -11,6 +11,17 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 
+def tiny_mtp_model(family: str, path, depth: int = 1):
+    """mtpkit's load of the tiny `family` model (mtpkit.models.presets) saved to `path` with a random released-layout
+    head of `depth` MTP layers."""
+    import mtpkit
+    from mtpkit.models.presets import tiny_hf_model
+
+    ref = tiny_hf_model(family)
+    save_hf(ref, path, mtp_tensors=random_mtp_tensors(ref, depth=depth))
+    return mtpkit.load_model(path)
+
+
 def save_hf(model, path, mtp_tensors: dict | None = None, per_expert: bool = False) -> None:
     """save_pretrained, then optionally add released-layout `mtp.*` tensors or split fused experts per expert."""
     model.save_pretrained(path)

@@ -213,7 +213,8 @@ def summary(section: dict) -> str:
     parts = []
     for r in runs:
         best = max(KS, key=lambda k: r[f"k{k}"]["tokens_per_s"])
-        part = (f"{r['name'].removeprefix('decode ')} b{r['batch']} {r['engine']}: plain {r['plain_tokens_per_s']} tok/s, "
+        part = (f"{r['name'].removeprefix('decode ')} b{r['batch']} {r['engine']}: "
+                f"plain {r['plain_tokens_per_s']} tok/s, "
                 f"k={best} {r[f'k{best}']['tokens_per_s']}, verify2/decode {r['verify2_over_decode']}")
         if "fraction_of_measured_bandwidth" in r:
             part += f", {100 * r['fraction_of_measured_bandwidth']:.0f}% of copy BW"

@@ -1,5 +1,6 @@
 """GGUF reader: config, exact tensors vs transformers, Q/K un-permutation, errors, tokenizer, asset fetch."""
 
+import json
 import pathlib
 import zipfile
 
@@ -152,6 +153,32 @@ def test_tokenizer_round_trips(smollm2_tokenizer):
     ids = smollm2_tokenizer("Hello world")["input_ids"]
     assert ids == [19556, 905]
     assert smollm2_tokenizer.decode(ids) == "Hello world"
+
+
+@pytest.mark.slow
+def test_converted_tokenizer_is_kept_and_reads_back_the_same(smollm2_gguf, tmp_path, monkeypatch):
+    """The tokenizer converted from the GGUF is kept in the cache; the copy read back encodes, decodes and renders
+    chats as the conversion does, and a damaged copy is converted again."""
+    from mtpkit.tokenizer import encode_prompt
+
+    monkeypatch.setenv("MTPKIT_CACHE", str(tmp_path))
+    converted = load_gguf_tokenizer(smollm2_gguf)
+    (kept,) = (tmp_path / "tokenizers").iterdir()
+    read_back = load_gguf_tokenizer(smollm2_gguf)
+    texts = ["Hello world", "def f(x):\n\treturn x ** 2  # ünïcode ✓ 東京", "<|im_start|>user\nhi<|im_end|>", " "]
+    for text in texts:
+        assert read_back(text)["input_ids"] == converted(text)["input_ids"], text
+        assert read_back.decode(converted(text)["input_ids"]) == converted.decode(converted(text)["input_ids"])
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}]
+    assert encode_prompt(read_back, turns, chat=True) == encode_prompt(converted, turns, chat=True)
+    for name in ("eos_token_id", "bos_token_id", "pad_token_id", "all_special_ids"):
+        assert getattr(read_back, name) == getattr(converted, name), name
+    assert len(read_back) == len(converted)
+
+    (kept / "tokenizer.json").write_text("{ damaged")
+    again = load_gguf_tokenizer(smollm2_gguf)
+    assert again("Hello world")["input_ids"] == [19556, 905]
+    json.loads((kept / "tokenizer.json").read_text())  # replaced by the new conversion
 
 
 @pytest.mark.slow

@@ -37,6 +37,7 @@ WINDOW = 15  # step costs: the median of the last 15 steps of each kind
 DEFAULT_VERIFY_RATIO = 0.1  # before a width is measured: each verified token past the first costs 0.1 of a decode
 DEFAULT_DRAFT_RATIO = 0.1  # and each draft depth 0.1 of a decode
 BINS = 10
+STORE_TOLERANCE = 0.05  # measured step costs within this of the stored ones are not written back
 
 
 class Acceptance:
@@ -140,11 +141,25 @@ class StepCosts:
         return DEFAULT_DRAFT_RATIO * self.verify(1)
 
     def record(self) -> dict:
-        """What the store keeps: seconds per verified width and per draft depth, as measured in this call (a stored
-        figure this call did not measure is not carried on: the widths it measured replace the table)."""
-        verify = {str(n): s for n, s in (self.measured or self.seeded).items()}
+        """What the store keeps: seconds per verified width and per draft depth, as measured in this call; a stored
+        width this call did not measure is kept as `verify` prices it, scaled from the nearest measured width by
+        the stored ratio (its absolute figure may date from another load on the machine; dropping it would leave
+        the next call the default ratios, which are wrong for most CPUs)."""
+        verify = {str(n): self.verify(n) for n in sorted({*self.seeded, *self.measured})}
         draft = self.draft_median if self.draft_median is not None else self.seeded_draft
         return {"verify": verify, **({"draft": draft} if draft is not None else {})}
+
+    def moved(self) -> bool:
+        """Whether `record()` differs from the figures the store gave by more than STORE_TOLERANCE (a width or
+        the draft figure new, or one moved): only then is it worth rewriting the store (~15 ms for a route store
+        of SmolLM2's shapes)."""
+        now = self.record()
+        old = {str(n): s for n, s in self.seeded.items()}
+        if now["verify"].keys() != old.keys() or ("draft" in now) != (self.seeded_draft is not None):
+            return True
+        pairs = [(now["verify"][n], old[n]) for n in old] + ([(now["draft"], self.seeded_draft)] if "draft" in now
+                                                             else [])
+        return any(abs(a / b - 1) > STORE_TOLERANCE for a, b in pairs if b)
 
 
 @dataclass

@@ -263,3 +263,49 @@ def test_auto_is_a_spec_of_its_own():
     # a model without a head: auto drafts from the context only
     model.mtp = None
     assert DraftSpec.automatic(model).draft_tokens == 0
+
+
+def test_a_long_plain_stretch_is_caught_up_less_and_less_often(monkeypatch):
+    """Catch-ups in a plain stretch come after 16, 32, then every 64 plain steps; a drafting step sets the stretch
+    back to 16."""
+    model = drafting_model("qwen3_5", noise=0.6)
+    sizes = []
+    real = auto.AutoDrafter._catch_up
+
+    def catch_up(self, state, rows, end):
+        sizes.append(len(self.pending))
+        return real(self, state, rows, end)
+
+    monkeypatch.setattr(auto.AutoDrafter, "_catch_up", catch_up)
+    steps = iter(range(1000))
+    monkeypatch.setattr(Controller, "plan", lambda self, r, found: Plan("head", 1, 1.0, [0.0] * 8)
+                        if next(steps) == 180 else Plan("plain"))
+    mtpkit.generate(model, PROMPTS[:1], max_new_tokens=220, draft="auto")
+    # 16 + 32 + 64 + 64 = 176 plain steps, then 4 more before the draft at step 181, then 16 after it
+    assert sizes == [16, 32, 64, 64, 4, 16]
+
+
+def test_step_costs_are_written_back_only_when_they_moved():
+    seeded = {"verify": {"1": 0.010, "2": 0.012}, "draft": 0.001}
+    costs = StepCosts(seeded)
+    assert not costs.moved()  # nothing measured: the stored figures stand
+    for s in (0.0102, 0.0099, 0.0101):
+        costs.observe(1, s)
+    costs.observe(2, 0.0124 + 0.00102, draft_depths=1, draft_seconds=0.00102)
+    assert not costs.moved()  # every figure within 5% of the stored one
+    costs.observe(3, 0.014)
+    assert costs.moved()  # a width the store lacks
+    slower = StepCosts(seeded)
+    for s in (0.012, 0.012, 0.012):
+        slower.observe(1, s)
+    slower.observe(2, 0.012 + 0.001, draft_depths=1, draft_seconds=0.001)
+    assert slower.moved()  # one step kind 20% slower
+
+
+def test_stored_widths_a_call_did_not_measure_keep_their_ratio():
+    """An all-plain call measures only the decode: the stored verify widths are written back scaled by it, so the
+    next call still prices them by the ratios measured on this machine."""
+    costs = StepCosts({"verify": {"1": 0.010, "4": 0.013}, "draft": 0.001})
+    for s in (0.020, 0.020, 0.020):  # this call's machine runs at half the speed
+        costs.observe(1, s)
+    assert costs.record()["verify"] == pytest.approx({"1": 0.020, "4": 0.026})

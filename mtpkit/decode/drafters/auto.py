@@ -6,7 +6,10 @@ controller's gating) and the context index (`context_lookup.ContextLookup`). Wha
 every row decodes plainly the MTP module does not run. Each plain step leaves its trunk hidden state and the token
 after it, and every `SHADOW_EVERY` plain steps, or at the next step that drafts, the MTP runs once over all of them
 (one forward of P rows, which costs about as much as one of a single row on a CPU): the head then drafts from a
-cache as complete as if it had run every step, and plain decoding under auto costs what plain decoding costs.
+cache as complete as if it had run every step. Each catch-up that finds the batch still decoding plainly doubles
+the stretch to the next, up to `SHADOW_MOST`, and a drafting step sets it back; the last `SCORED_MOST` positions
+score the head. (A catch-up of 16 positions and its scoring cost ~40% of a decode step of SmolLM2: 2.6% of plain
+decoding at one every 16 steps.)
 
 A row teaches the controller what the sources it does not use would give it. Decoding plainly, the catch-up
 forward's outputs are the head's first drafts at each of those positions, scored against the tokens the row
@@ -40,6 +43,8 @@ from .base import Drafts, DraftSetup, Prefill, Verified
 from .context_lookup import ContextDrafts, ContextLookup, context_only, with_context
 
 SHADOW_EVERY = 16  # plain steps between catch-up forwards of the MTP (each scores the head's first drafts)
+SHADOW_MOST = 64  # ... doubled by each catch-up in a plain stretch, up to this
+SCORED_MOST = 16  # of a catch-up's positions, the last this many score the head (a full-vocabulary product each)
 SCORE_EVERY = 4  # context-drafted steps between scorings of the head's first drafts (an lm_head product each)
 
 
@@ -56,6 +61,7 @@ class AutoDrafter:
         self.pending: list[tuple[torch.Tensor, torch.Tensor, list[int]]] = []  # plain steps the MTP has not seen
         self.watch: dict[int, tuple[list[int], list[int]]] = {}  # row -> (context drafts it did not use, what came)
         self.context_steps = 0
+        self.shadow_every = SHADOW_EVERY
         self.step = None  # (rows, plans, drafts, draft seconds, head depths, start, router's measuring seconds)
         # every verify width it may try routed now (from the store after a machine's first run), not mid-step
         batch = len(setup.prompts)
@@ -80,6 +86,7 @@ class AutoDrafter:
             return None
         if self.chain is not None and self.pending:
             state.drafter_state = self._catch_up(state, rows, end=0)
+        self.shadow_every = SHADOW_EVERY
         drafts, head_depths = None, 0
         if "head" in sources:
             drafts = mtp_chain.draft(self.model, state, k=self.chain.k, head=self.head, generator=self.generator,
@@ -118,13 +125,14 @@ class AutoDrafter:
         hidden = torch.stack([h[[seen.index(r) for r in rows]] for h, _, seen in self.pending], 1)  # [B, P, H]
         tokens = torch.stack([t[[seen.index(r) for r in rows]] for _, t, seen in self.pending], 1)  # [B, P]
         slots = state.slots(P, offset=end - P)
+        scored = min(P, SCORED_MOST)
         with routed_linears(None):  # P rows, a different count each time: torch's products, no routes measured
             out = self.model.mtp_step(tokens, hidden, state.rope_positions(slots), 1, state.cache, slots,
                                       kv_len=state.top_slot + end)  # [B, P, H]
-            top = self.head.top(out[:, :-1]) if P > 1 else None
+            top = self.head.top(out[:, P - scored : -1]) if P > 1 else None
         self.pending = []
         if P > 1:  # the output at slot j drafts the token at j + 2, which is the token after slot j + 1
-            kept = (top == tokens[:, 1:]).tolist()
+            kept = (top == tokens[:, P - scored + 1 :]).tolist()
             for r, row in zip(rows, kept):
                 for hit in row:
                     self.controller.observe(r, "head", 1, int(hit), [])
@@ -143,8 +151,9 @@ class AutoDrafter:
             return out[torch.arange(state.batch, device=out.device), verified.accepted]
         # a plain step: kept for the next catch-up, which also scores what the head would have drafted
         self.pending.append((verified.hidden[:, 0], verified.tokens[:, 0], list(self.step[0])))
-        if len(self.pending) < SHADOW_EVERY:
+        if len(self.pending) < self.shadow_every:
             return state.drafter_state
+        self.shadow_every = min(2 * self.shadow_every, SHADOW_MOST)
         return self._catch_up(state, self.step[0], end=1)
 
     def _score_head(self, out: torch.Tensor, verified: Verified, rows: list[int], batch_rows: list[int]) -> None:
@@ -186,8 +195,9 @@ class AutoDrafter:
 
     def finish(self) -> None:
         """Keep the measured step costs for the next process (route_store.py, "steps")."""
-        if self.store_key is not None and self.router.store is not None:
-            self.router.store.put("steps", {self.store_key: self.controller.costs.record()})
+        costs = self.controller.costs
+        if self.store_key is not None and self.router.store is not None and costs.moved():
+            self.router.store.put("steps", {self.store_key: costs.record()})
 
 
 def build(setup: DraftSetup, drafter):

@@ -4,6 +4,7 @@ one run (tokens/s are medians of interleaved repeats; run it on a quiet machine)
 1. fresh processes: plain decoding of one chat prompt in N new processes (the spread of their tokens/s around the
    median: the decode routes are read from the route store, not drawn anew), and in each of N more, auto's first
    call against its second (a first call that calibrates runs slower); each call timed whole, from the caller;
+   and `mtpkit generate --chat` with --draft off and auto, N processes each, timed from start to exit;
 2. prompts where drafting fails (random token ids, a language the model barely knows, sampling at T = 1.2):
    plain, fixed k = 3 and auto;
 3. long prompts (chat requests about a pasted document of 1-2k tokens, mtpkit/resources/doc_chat_heldout_prompts.jsonl):
@@ -36,6 +37,7 @@ CHAT = "Explain in three sentences why the sky is blue."
 # a language SmolLM2 barely knows (its corpus is English): a few sentences of Finnish, written for this check
 FINNISH = ("Kirjoita lyhyt kertomus pienestä kylästä järven rannalla. Kylässä asui kalastaja, joka lähti joka aamu "
            "veneellään vesille ennen auringonnousua, ja hänen tyttärensä odotti häntä laiturilla illalla.")
+SAMPLED_PROMPTS = 4  # held-out prompts sampled at T = 1.2 (one prompt's figure moved by +-2% between runs)
 FIXED_LONG = (DraftSpec(1, draft_lookup=4), DraftSpec(3), DraftSpec(3, draft_lookup=4))
 
 _PROCESS = """
@@ -58,15 +60,28 @@ def in_fresh_process(draft: str, calls: int, new_tokens: int) -> list[float]:
     return [float(x) for x in re.findall(r"^[\d.]+$", out, re.M)]
 
 
+def cli_seconds(draft: str, new_tokens: int) -> float:
+    """Wall seconds of `mtpkit generate --prompt CHAT --chat --draft DRAFT` in a new process, start to exit."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "mtpkit", "generate", "--prompt", CHAT, "--chat", "--draft", draft,
+                    "--max-new-tokens", str(new_tokens)], capture_output=True, text=True, check=True)
+    return time.perf_counter() - start
+
+
 def fresh_processes(n: int, new_tokens: int) -> dict:
     in_fresh_process("auto", 1, new_tokens)  # the machine's first run: routes and step costs reach the store
     plain = [in_fresh_process("off", 1, new_tokens)[0] for _ in range(n)]
     pairs = [in_fresh_process("auto", 2, new_tokens) for _ in range(n)]
+    cli = {"off": [], "auto": []}
+    for i in range(n):  # interleaved, each order in turn
+        for draft in ("off", "auto") if i % 2 else ("auto", "off"):
+            cli[draft].append(cli_seconds(draft, new_tokens))
     median = statistics.median(plain)
     return {"plain_tokens_per_s": plain, "plain_median": median,
             "plain_worst_deviation": max(abs(p / median - 1) for p in plain),
             "auto_first_over_second": [a / b for a, b in pairs], "auto_first_over_plain_median":
-            statistics.median(a for a, _ in pairs) / median}
+            statistics.median(a for a, _ in pairs) / median,
+            "cli_seconds": cli, "cli_auto_over_off": statistics.median(cli["auto"]) / statistics.median(cli["off"])}
 
 
 def interleaved(model, rows: list[list[int]], drafts: dict, new_tokens: int, repeats: int, eos,
@@ -101,12 +116,12 @@ def failing_prompts(model, tok, new_tokens: int, repeats: int) -> dict:
     g = torch.Generator().manual_seed(0)
     random_ids = torch.randint(0, model.config.vocab_size, (64,), generator=g).tolist()
     finnish = tok(FINNISH, add_special_tokens=False)["input_ids"]
-    held = load_prompts(resource("heldout_prompts.jsonl"), tok)[0].ids
+    held = [p.ids for p in load_prompts(resource("heldout_prompts.jsonl"), tok)[:SAMPLED_PROMPTS]]
     drafts = {"plain": None, "k=3": DraftSpec(3), "auto": "auto"}
     eos = tok.eos_token_id
     return {"random token ids": interleaved(model, [random_ids], drafts, new_tokens, repeats, eos),
             "Finnish": interleaved(model, [finnish], drafts, new_tokens, repeats, eos),
-            "sampling T=1.2": interleaved(model, [held], drafts, new_tokens, repeats, eos, temperature=1.2)}
+            "sampling T=1.2": interleaved(model, held, drafts, new_tokens, repeats, eos, temperature=1.2)}
 
 
 def long_prompts(model, tok, n: int, new_tokens: int, repeats: int) -> dict:
@@ -125,7 +140,10 @@ def render(report: dict) -> str:
                   f"{f['plain_median']:.1f}, worst deviation {f['plain_worst_deviation']:.1%}",
                   f"   auto, first call / second call in each process: "
                   f"{', '.join(f'{x:.2f}' for x in f['auto_first_over_second'])}",
-                  f"   auto first call / plain median: {f['auto_first_over_plain_median']:.2f}", ""]
+                  f"   auto first call / plain median: {f['auto_first_over_plain_median']:.2f}",
+                  f"   mtpkit generate --chat, whole process, median of {len(f['cli_seconds']['off'])} each: --draft off "
+                  f"{statistics.median(f['cli_seconds']['off']):.2f} s, auto "
+                  f"{statistics.median(f['cli_seconds']['auto']):.2f} s ({f['cli_auto_over_off']:.3f}x the time)", ""]
     for title, key in (("2. prompts where drafting fails", "failing"), ("3. long prompts (document chats)", "long")):
         lines.append(title)
         groups = report[key] if key == "failing" else {f"{report['long_prompts']} prompts": report[key]}

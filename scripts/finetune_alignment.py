@@ -9,6 +9,7 @@ with the same data order, steps and seed:
   d    a, then `mtpkit refresh` (MTP-only on the fine-tuned model's own continuations of training-file prompts)
   e    b01, then the same refresh
   f    a, then the same refresh with its chained depths trained as they draft (`mtpkit refresh --as-drafted`)
+  g    a, then the refresh on the domain prompts plus half as many general ones (the recipe for a domain refresh)
 The MTP loss trains the head's one layer at three chained depths with FastMTP's weights [0.51, 0.31, 0.18] x lambda,
 as it drafts at k = 3. Every model is measured on held-out files (main loss, 1,024-token windows), on the base
 model's own answers to the 60 general benchmark prompts (main loss: what the fine-tune costs the model's general
@@ -46,6 +47,7 @@ from mtpkit.bench.acceptance_se import decode_rows, length_figures, paired_diffe
 from mtpkit.checkpoint.graft import graft
 from mtpkit.checkpoint.hf import save_model
 from mtpkit.datasets.code_corpus import build_code_corpus, cut_prompts, read_corpus
+from mtpkit.datasets.distill_prompts import build_prompts
 from mtpkit.loading import load_for_decoding
 from mtpkit.prompts import read_prompts
 from mtpkit.resources import DEFAULT_PROMPTS, resource
@@ -64,9 +66,11 @@ ARMS = {  # arm -> the [mtp] section of its fine-tune (None: the refresh of anot
     "d": None,
     "e": None,
     "f": None,
+    "g": None,
 }
-REFRESHED = {"d": "a", "e": "b01", "f": "a"}
+REFRESHED = {"d": "a", "e": "b01", "f": "a", "g": "a"}
 AS_DRAFTED = {"f"}  # refreshes whose depths >= 2 attend as a draft chain reads the MTP cache ([mtp] as_drafted)
+MIXED = {"g"}  # refreshes on the domain prompts plus half as many general ones (the recipe MTP.md gives users)
 # sizes: (train tokens per arm, rows per step, seq_len, domain prompts, general prompts, new tokens, loss windows,
 # refresh prompts, timed prompts)
 FULL = dict(train_tokens=2_097_152, batch=32, seq_len=1024, domain_prompts=128, general_prompts=60, new_tokens=160,
@@ -125,6 +129,20 @@ def prepare(out: Path, corpus: Path, tok, size: dict) -> dict:
     with (out / "refresh_eval_prompts.jsonl").open("w") as f:
         f.writelines(json.dumps({"prompt": p["prompt"], "kind": "code"}) + "\n" for p in domain[:16])
     return {"base": base, **sets}
+
+
+def mixed_refresh_prompts(out: Path, setup: dict) -> Path:
+    """The domain refresh prompts plus half as many general ones, drawn from the distillation prompt kinds (chat,
+    prose, lists, code requests: mtpkit/datasets/distill_prompts.py), none of them a general evaluation prompt."""
+    path = out / "refresh_mix_prompts.jsonl"
+    if not path.exists():
+        held = {p["prompt"] for p in setup["general"]}
+        n = len(setup["refresh_prompts"]) // 2
+        general = [p for p in build_prompts(4 * n, seed=7) if "prompt" in p and p["prompt"] not in held][:n]
+        lines = [json.dumps({"prompt": p["prompt"], "kind": "code"}) for p in setup["refresh_prompts"]]
+        lines += [json.dumps({"prompt": p["prompt"], "chat": p["chat"], "kind": p["kind"]}) for p in general]
+        path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def general_answers(setup: dict, out: Path, device, new_tokens: int) -> list[list[int]]:
@@ -356,7 +374,8 @@ def run_arm(arm, seed, key, setup, corpus, out, device, size, results, answers, 
         if source not in results:
             log(f"{key}: skipped, {source} was not trained")
             return None
-        rep = refresh(model_dir(out, source), out / "refresh_prompts.jsonl", out / arm / f"seed{seed}",
+        prompts = mixed_refresh_prompts(out, setup) if arm in MIXED else out / "refresh_prompts.jsonl"
+        rep = refresh(model_dir(out, source), prompts, out / arm / f"seed{seed}",
                       eval_prompts=out / "refresh_eval_prompts.jsonl", device=device.type, dtype="float32",
                       batch_size=512 if device.type == "cuda" else 16, seed=seed, seq_len=size["seq_len"],
                       train_batch_size=32 if device.type == "cuda" else size["batch"],
@@ -454,7 +473,7 @@ def main() -> int:
     table = summary(results)
     text = render(table)
     extras = []
-    for arm in ("b01", "b03", "c", "d", "e", "f"):
+    for arm in ("b01", "b03", "c", "d", "e", "f", "g"):
         if any(k.startswith(arm + "/") for k in results):
             d, se = paired_vs(results, arm, "a")
             extras.append(f"- domain k=1, {arm} - a: {d:+.3f} ± {se:.3f} (paired over prompts and seeds)")

@@ -17,8 +17,9 @@ the head and the context would have drafted against the tokens the row went on t
 switches back to drafting, or to another source, where that starts paying again. Decisions only pick what is
 drafted; verification is unchanged, so output stays exact.
 
-Step costs are also kept on disk (decode/route_store.py, "steps": per machine, model shape, threads and dtype), so a
-new process starts from the last one's figures and replaces them with its own as it measures.
+Step costs are also kept on disk (decode/route_store.py, "steps": per machine, model shape, threads and dtype) as
+ratios to a plain step, so a new process starts from the last one's ratios and prices them against its own plain
+step, timed in its first steps (`StepCosts`).
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ PRIOR_WEIGHT = 2.0
 SHRINK = 4.0  # the batch's estimate counts as this many of the row's own tries
 OPTIMISM = 0.1  # a_j + 0.1 / sqrt(1 + the row's tries of j)
 WINDOW = 15  # step costs: the median of the last 15 steps of each kind
-DEFAULT_VERIFY_RATIO = 0.1  # before a width is measured: each verified token past the first costs 0.1 of a decode
+DEFAULT_VERIFY_RATIO = 0.1  # a width never measured: each verified token past the first costs 0.1 of a decode
 DEFAULT_DRAFT_RATIO = 0.1  # and each draft depth 0.1 of a decode
 BINS = 10
 STORE_TOLERANCE = 0.05  # measured step costs within this of the stored ones are not written back
+PLAIN_FIRST = 2  # plain steps that start each call, timing the step every plan is priced against
 
 
 class Acceptance:
@@ -95,16 +97,27 @@ class Calibration:
 
 class StepCosts:
     """Seconds of a step by the tokens it verifies (1: a plain step), and of one draft depth: the median of the last
-    `WINDOW` measured (a step slowed by other work on the machine moves a median little); a width not measured yet
-    is priced from the nearest measured one by the stored, else the default, ratios."""
+    `WINDOW` measured in this call (a step slowed by other work on the machine moves a median little). A width not
+    measured yet is priced as this call's plain step times its stored ratio to a plain step, else the default.
+
+    The store keeps ratios to a plain step measured within one call, never absolute seconds carried between calls:
+    figures taken under different loads, mixed, once priced a plain step at 1.5x its real cost (30 ms stored
+    against 20 measured), so auto drafted at a loss and, never decoding plainly, never found out (0.76x plain
+    decoding when sampling at T = 1.2). For the same reason each call decodes its first `PLAIN_FIRST` steps
+    plainly: the plain step is then measured, not assumed."""
 
     def __init__(self, seeded: dict | None = None):
         self.steps: dict[int, deque] = {}
         self.drafts: deque = deque(maxlen=WINDOW)
         self.measured: dict[int, float] = {}  # verify width -> the median of its window, kept as steps come in
         self.draft_median: float | None = None
-        self.seeded = {int(n): s for n, s in (seeded or {}).get("verify", {}).items()}
-        self.seeded_draft = (seeded or {}).get("draft")
+        seeded = seeded or {}
+        self.ratios = {int(n): r for n, r in seeded.get("ratios", {}).items()}  # older stores held seconds: unread
+        self.draft_ratio = seeded.get("draft_ratio")
+
+    def plain_known(self) -> bool:
+        """Whether this call has timed enough plain steps to price the others against."""
+        return len(self.steps.get(1, ())) >= PLAIN_FIRST
 
     def observe(self, verified: int, seconds: float, draft_depths: int = 0, draft_seconds: float = 0.0) -> None:
         """A step that verified `verified` tokens took `seconds`, of which `draft_seconds` drafted `draft_depths`
@@ -116,49 +129,52 @@ class StepCosts:
             self.drafts.append(draft_seconds / draft_depths)
             self.draft_median = statistics.median(self.drafts)
 
-    def _ratio(self, n: int, m: int) -> float:
-        """V(n) / V(m) as the stored figures have it, else by the default ratio."""
-        if n in self.seeded and m in self.seeded:
-            return self.seeded[n] / self.seeded[m]
-        return (1 + DEFAULT_VERIFY_RATIO * (n - 1)) / (1 + DEFAULT_VERIFY_RATIO * (m - 1))
+    def ratio(self, n: int) -> float:
+        """V(n) / V(1): measured in this call where both are, else stored, else the default."""
+        if n in self.measured and 1 in self.measured:
+            return self.measured[n] / self.measured[1]
+        return self.ratios.get(n, 1 + DEFAULT_VERIFY_RATIO * (n - 1)) if n > 1 else 1.0
+
+    def plain(self) -> float:
+        """Seconds of a plain step: measured, else from the nearest measured width by its ratio (1.0 before any)."""
+        if 1 in self.measured:
+            return self.measured[1]
+        if not self.measured:
+            return 1.0
+        m = min(self.measured, key=lambda w: (abs(w - 1), w))
+        return self.measured[m] / self.ratio(m)
 
     def verify(self, n: int) -> float:
-        """Seconds of a step verifying n tokens: measured, else scaled from the nearest measured (else stored) width."""
-        table = self.measured or self.seeded
-        if n in table:
-            return table[n]
-        if not table:
-            return self._ratio(n, 1)
-        m = min(table, key=lambda w: (abs(w - n), w))
-        return table[m] * self._ratio(n, m)
+        """Seconds of a step verifying n tokens: measured, else this call's plain step times its ratio."""
+        return self.measured[n] if n in self.measured else self.plain() * self.ratio(n)
 
     def draft(self) -> float:
         """Seconds of one draft depth: measured, else the stored share of a plain step, else DEFAULT_DRAFT_RATIO."""
         if self.draft_median is not None:
             return self.draft_median
-        if self.seeded_draft is not None and 1 in self.seeded:
-            return self.seeded_draft / self.seeded[1] * self.verify(1)
-        return DEFAULT_DRAFT_RATIO * self.verify(1)
+        return (DEFAULT_DRAFT_RATIO if self.draft_ratio is None else self.draft_ratio) * self.plain()
 
     def record(self) -> dict:
-        """What the store keeps: seconds per verified width and per draft depth, as measured in this call; a stored
-        width this call did not measure is kept as `verify` prices it, scaled from the nearest measured width by
-        the stored ratio (its absolute figure may date from another load on the machine; dropping it would leave
-        the next call the default ratios, which are wrong for most CPUs)."""
-        verify = {str(n): self.verify(n) for n in sorted({*self.seeded, *self.measured})}
-        draft = self.draft_median if self.draft_median is not None else self.seeded_draft
-        return {"verify": verify, **({"draft": draft} if draft is not None else {})}
+        """What the store keeps: each width's ratio to a plain step and the draft depth's, those measured in this
+        call replacing the stored ones (none without a plain step timed in this call: nothing to divide by)."""
+        ratios = {n: r for n, r in self.ratios.items()}
+        draft = self.draft_ratio
+        if 1 in self.measured:
+            ratios.update({n: s / self.measured[1] for n, s in self.measured.items() if n > 1})
+            if self.draft_median is not None:
+                draft = self.draft_median / self.measured[1]
+        return {"ratios": {str(n): r for n, r in sorted(ratios.items())},
+                **({"draft_ratio": draft} if draft is not None else {})}
 
     def moved(self) -> bool:
-        """Whether `record()` differs from the figures the store gave by more than STORE_TOLERANCE (a width or
-        the draft figure new, or one moved): only then is it worth rewriting the store (~15 ms for a route store
-        of SmolLM2's shapes)."""
+        """Whether `record()` differs from the stored figures by more than STORE_TOLERANCE (a width new or one
+        moved): only then is it worth rewriting the store (~15 ms for a route store of SmolLM2's shapes)."""
         now = self.record()
-        old = {str(n): s for n, s in self.seeded.items()}
-        if now["verify"].keys() != old.keys() or ("draft" in now) != (self.seeded_draft is not None):
+        if now["ratios"].keys() != {str(n) for n in self.ratios} or ("draft_ratio" in now) != (self.draft_ratio
+                                                                                               is not None):
             return True
-        pairs = [(now["verify"][n], old[n]) for n in old] + ([(now["draft"], self.seeded_draft)] if "draft" in now
-                                                             else [])
+        pairs = [(now["ratios"][str(n)], r) for n, r in self.ratios.items()]
+        pairs += [(now["draft_ratio"], self.draft_ratio)] if self.draft_ratio is not None else []
         return any(abs(a / b - 1) > STORE_TOLERANCE for a, b in pairs if b)
 
 
@@ -207,6 +223,8 @@ class Controller:
         """Row r's plan for this step; `found`: context drafts its lookup found (0: none)."""
         costs = self.costs
         options = [Plan("plain", 0, costs.verify(1))]
+        if not costs.plain_known():
+            return options[0]
         if self.head_drafts:
             rates = self.rates(r, "head")
             for k in range(1, self.head_drafts + 1):

@@ -59,8 +59,9 @@ def fixed_costs(monkeypatch):
     spent = [0.0]
 
     def init(self, seeded=None):
-        real_init(self, {"verify": {str(n): c for n, c in VERIFY.items()}, "draft": DRAFT})
-        self.observe = lambda *a, **k: None
+        real_init(self, {"ratios": {str(n): c for n, c in VERIFY.items()}, "draft_ratio": DRAFT})
+        self.observe = lambda *a, **k: None  # nothing measured: a plain step costs 1.0, the rest their ratios
+        self.plain_known = lambda: True
 
     def observed(self, accepted):
         drafts, head_depths = self.step[2], self.step[4]
@@ -152,7 +153,9 @@ def test_a_stretch_of_plain_steps_is_caught_up_as_if_the_mtp_had_run_every_step(
 
 def _costs(verify: dict, draft: float) -> StepCosts:
     """Costs fixed at these figures (observations ignored), so decisions do not depend on this machine's timing."""
-    costs = StepCosts({"verify": {str(n): s for n, s in verify.items()}, "draft": draft})
+    costs = StepCosts({"ratios": {str(n): s / verify[1] for n, s in verify.items()}, "draft_ratio": draft / verify[1]})
+    costs.observe(1, verify[1])
+    costs.observe(1, verify[1])
     costs.observe = lambda *a, **k: None
     return costs
 
@@ -217,16 +220,32 @@ def test_acceptance_counts_and_expected_tokens():
 
 
 def test_step_costs_are_robust_medians_and_price_unmeasured_widths_from_the_stored_ratios():
-    costs = StepCosts({"verify": {"1": 2.0, "4": 3.0}, "draft": 0.2})
-    assert costs.verify(4) == 3.0 and costs.draft() == pytest.approx(0.2)
+    costs = StepCosts({"ratios": {"4": 1.5}, "draft_ratio": 0.1})
+    assert not costs.plain_known() and costs.verify(4) == pytest.approx(1.5)  # in plain steps until one is timed
     for s in (0.010, 0.011, 0.012, 0.5, 0.010):  # one step slowed by other work
         costs.observe(1, s)
-    assert costs.verify(1) == pytest.approx(0.011)
+    assert costs.plain_known() and costs.verify(1) == pytest.approx(0.011)
     assert costs.verify(4) == pytest.approx(0.011 * 1.5)  # the stored 4-token / 1-token ratio
     assert costs.draft() == pytest.approx(0.011 * 0.1)  # the stored draft share of a decode
     costs.observe(2, 0.02, draft_depths=2, draft_seconds=0.004)
     assert costs.verify(2) == pytest.approx(0.016) and costs.draft() == pytest.approx(0.002)
     assert StepCosts().verify(3) == pytest.approx(1 + 2 * auto_policy.DEFAULT_VERIFY_RATIO)
+
+
+def test_a_call_that_never_decodes_plainly_prices_the_plain_step_from_what_it_measured():
+    """Only wider steps measured: the plain step is the nearest one over its stored ratio, not a stored absolute
+    figure (which may come from a call under other load)."""
+    costs = StepCosts({"ratios": {"2": 1.2, "4": 1.25}})
+    costs.observe(4, 0.025)
+    assert costs.verify(1) == pytest.approx(0.020) and costs.verify(2) == pytest.approx(0.024)
+    assert costs.record() == {"ratios": {"2": 1.2, "4": 1.25}}  # no plain step timed: nothing new to store
+
+
+def test_a_call_starts_with_plain_steps_that_time_the_plain_step():
+    model = drafting_model("llama")
+    got = mtpkit.generate(model, PROMPTS[:1], max_new_tokens=24, draft="auto")
+    # the first verification step can only come after PLAIN_FIRST plain steps
+    assert got.stats["forward_passes"] - got.stats["verification_steps"] >= auto_policy.PLAIN_FIRST
 
 
 def test_step_costs_are_kept_for_the_next_call(tmp_path, monkeypatch):
@@ -245,9 +264,9 @@ def test_step_costs_are_kept_for_the_next_call(tmp_path, monkeypatch):
     monkeypatch.setattr(auto, "AutoDrafter", Recorded)
     mtpkit.generate(model, PROMPTS[:1], max_new_tokens=24, draft="auto")
     steps = RouteStore(tmp_path / "m.json").entries["steps"]
-    assert list(steps) == [built[0].store_key] and steps[built[0].store_key]["verify"]
+    assert list(steps) == [built[0].store_key] and steps[built[0].store_key]["ratios"]
     mtpkit.generate(model, PROMPTS[:1], max_new_tokens=4, draft="auto")
-    assert built[1].controller.costs.seeded == {int(n): s for n, s in steps[built[0].store_key]["verify"].items()}
+    assert built[1].controller.costs.ratios == {int(n): r for n, r in steps[built[0].store_key]["ratios"].items()}
 
 
 def test_auto_is_a_spec_of_its_own():
@@ -286,26 +305,27 @@ def test_a_long_plain_stretch_is_caught_up_less_and_less_often(monkeypatch):
 
 
 def test_step_costs_are_written_back_only_when_they_moved():
-    seeded = {"verify": {"1": 0.010, "2": 0.012}, "draft": 0.001}
+    seeded = {"ratios": {"2": 1.2}, "draft_ratio": 0.1}
     costs = StepCosts(seeded)
     assert not costs.moved()  # nothing measured: the stored figures stand
-    for s in (0.0102, 0.0099, 0.0101):
+    for s in (0.0102, 0.0099, 0.0100):
         costs.observe(1, s)
-    costs.observe(2, 0.0124 + 0.00102, draft_depths=1, draft_seconds=0.00102)
-    assert not costs.moved()  # every figure within 5% of the stored one
+    costs.observe(2, 0.0121 + 0.00102, draft_depths=1, draft_seconds=0.00102)
+    assert not costs.moved()  # every ratio within 5% of the stored one
     costs.observe(3, 0.014)
     assert costs.moved()  # a width the store lacks
     slower = StepCosts(seeded)
-    for s in (0.012, 0.012, 0.012):
+    for s in (0.010, 0.010, 0.010):
         slower.observe(1, s)
-    slower.observe(2, 0.012 + 0.001, draft_depths=1, draft_seconds=0.001)
-    assert slower.moved()  # one step kind 20% slower
+    slower.observe(2, 0.015 + 0.001, draft_depths=1, draft_seconds=0.001)
+    assert slower.moved()  # a 2-token verify now 1.5x a plain step
 
 
-def test_stored_widths_a_call_did_not_measure_keep_their_ratio():
-    """An all-plain call measures only the decode: the stored verify widths are written back scaled by it, so the
-    next call still prices them by the ratios measured on this machine."""
-    costs = StepCosts({"verify": {"1": 0.010, "4": 0.013}, "draft": 0.001})
-    for s in (0.020, 0.020, 0.020):  # this call's machine runs at half the speed
+def test_stored_ratios_of_widths_a_call_did_not_measure_are_kept():
+    costs = StepCosts({"ratios": {"2": 1.2, "4": 1.3}, "draft_ratio": 0.05})
+    for s in (0.020, 0.020, 0.020):  # this call's machine runs at half the speed: ratios unchanged
         costs.observe(1, s)
-    assert costs.record()["verify"] == pytest.approx({"1": 0.020, "4": 0.026})
+    costs.observe(2, 0.030)
+    record = costs.record()
+    assert record["ratios"] == pytest.approx({"2": 1.5, "4": 1.3}) and record["draft_ratio"] == 0.05
+    assert costs.verify(4) == pytest.approx(0.026)

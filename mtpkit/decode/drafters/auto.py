@@ -85,7 +85,11 @@ class AutoDrafter:
             self.step = (rows, plans, None, 0.0, 0, start, measuring)
             return None
         if self.chain is not None and self.pending:
+            caught = time.perf_counter()
             state.drafter_state = self._catch_up(state, rows, end=0)
+            # the plain steps' MTP work, done now: neither this step's drafting nor its verify (charged to the
+            # draft depths, it priced drafting after every plain stretch at several times its cost)
+            start += time.perf_counter() - caught
         self.shadow_every = SHADOW_EVERY
         drafts, head_depths = None, 0
         if "head" in sources:

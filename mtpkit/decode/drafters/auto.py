@@ -212,8 +212,10 @@ def build(setup: DraftSetup, drafter):
     weight = model.output_weight
     store = router_for(model).store
     cfg = model.config
+    # sampled and greedy steps apart: a sampled verify computes probabilities at every verified row, so its ratio
+    # to a plain step differs (1.4 against ~1.2 for two rows of SmolLM2), and one kind's ratios misprice the other
     key = entry_key(torch.get_num_threads(), weight.device.type, weight.dtype, len(setup.prompts), cfg.hidden_size,
                     cfg.num_hidden_layers, cfg.vocab_size if setup.head is None or setup.head.vocab is None
-                    else len(setup.head.vocab))
+                    else len(setup.head.vocab), "sampled" if setup.params.temperature > 0 else "greedy")
     costs = StepCosts(store.get("steps", key) if store is not None else None)
     return AutoDrafter(setup, Controller(spec.draft_tokens, spec.draft_lookup, costs), key)

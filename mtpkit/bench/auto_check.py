@@ -141,7 +141,8 @@ def render(report: dict) -> str:
                   f"   auto, first call / second call in each process: "
                   f"{', '.join(f'{x:.2f}' for x in f['auto_first_over_second'])}",
                   f"   auto first call / plain median: {f['auto_first_over_plain_median']:.2f}",
-                  f"   mtpkit generate --chat, whole process, median of {len(f['cli_seconds']['off'])} each: --draft off "
+                  f"   mtpkit generate --chat, whole process, median of {len(f['cli_seconds']['off'])} each: "
+                  "--draft off "
                   f"{statistics.median(f['cli_seconds']['off']):.2f} s, auto "
                   f"{statistics.median(f['cli_seconds']['auto']):.2f} s ({f['cli_auto_over_off']:.3f}x the time)", ""]
     for title, key in (("2. prompts where drafting fails", "failing"), ("3. long prompts (document chats)", "long")):

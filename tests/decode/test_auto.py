@@ -329,3 +329,27 @@ def test_stored_ratios_of_widths_a_call_did_not_measure_are_kept():
     record = costs.record()
     assert record["ratios"] == pytest.approx({"2": 1.5, "4": 1.3}) and record["draft_ratio"] == 0.05
     assert costs.verify(4) == pytest.approx(0.026)
+
+
+def test_sampled_decoding_starts_from_the_greedy_ratios_until_it_has_its_own(tmp_path, monkeypatch):
+    from mtpkit.decode.matmul_routing import router_for
+    from mtpkit.decode.route_store import RouteStore
+
+    model = drafting_model("llama")
+    router_for(model).store = RouteStore(tmp_path / "m.json")
+    built = []
+
+    class Recorded(auto.AutoDrafter):
+        def __init__(self, *args):
+            super().__init__(*args)
+            built.append(self)
+
+    monkeypatch.setattr(auto, "AutoDrafter", Recorded)
+    mtpkit.generate(model, PROMPTS[:1], max_new_tokens=24, draft="auto")
+    greedy = built[0].controller.costs.record()["ratios"]
+    mtpkit.generate(model, PROMPTS[:1], max_new_tokens=24, draft="auto", temperature=1.0, seed=0)
+    sampled = built[1]
+    assert sampled.store_key != built[0].store_key and sampled.controller.costs.ratios == {
+        int(n): r for n, r in greedy.items()}
+    steps = RouteStore(tmp_path / "m.json").entries["steps"]
+    assert set(steps) == {built[0].store_key, sampled.store_key}  # each kind now has its own

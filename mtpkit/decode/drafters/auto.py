@@ -194,14 +194,16 @@ class AutoDrafter:
             if plan.source != "plain":
                 qs = confidence[b][: counts[b]] if plan.source == "head" else []
                 self.controller.observe(r, plan.source, counts[b], accepted[b], qs)
-        # the step's drafting (the head's depths, a catch-up, the context's drafts) is not the verify's cost
+        # the step's drafting (the head's depths, the context's drafts) is not the verify's cost (a catch-up: neither)
         costs.observe(drafts.tokens.shape[1] + 1, seconds, head_depths, draft_seconds)
 
     def finish(self) -> None:
         """Keep the measured step costs for the next process (route_store.py, "steps")."""
         costs = self.controller.costs
-        if self.store_key is not None and self.router.store is not None and costs.moved():
-            self.router.store.put("steps", {self.store_key: costs.record()})
+        store = self.router.store
+        if self.store_key is not None and store is not None and (costs.moved() or store.get("steps", self.store_key)
+                                                                 is None):  # seeded from the other kind
+            store.put("steps", {self.store_key: costs.record()})
 
 
 def build(setup: DraftSetup, drafter):
@@ -213,9 +215,14 @@ def build(setup: DraftSetup, drafter):
     store = router_for(model).store
     cfg = model.config
     # sampled and greedy steps apart: a sampled verify computes probabilities at every verified row, so its ratio
-    # to a plain step differs (1.4 against ~1.2 for two rows of SmolLM2), and one kind's ratios misprice the other
-    key = entry_key(torch.get_num_threads(), weight.device.type, weight.dtype, len(setup.prompts), cfg.hidden_size,
-                    cfg.num_hidden_layers, cfg.vocab_size if setup.head is None or setup.head.vocab is None
-                    else len(setup.head.vocab), "sampled" if setup.params.temperature > 0 else "greedy")
-    costs = StepCosts(store.get("steps", key) if store is not None else None)
-    return AutoDrafter(setup, Controller(spec.draft_tokens, spec.draft_lookup, costs), key)
+    # to a plain step differs (1.4 against ~1.2 for two rows of SmolLM2), and one kind's ratios misprice the other;
+    # before a kind has its own, the other's are nearer than the default ratios (which drafted at a loss while
+    # the first sampled calls on a machine learned them: 0.91x plain)
+    def key(kind: str) -> str:
+        return entry_key(torch.get_num_threads(), weight.device.type, weight.dtype, len(setup.prompts),
+                         cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size if setup.head is None or
+                         setup.head.vocab is None else len(setup.head.vocab), kind)
+
+    kind, other = ("sampled", "greedy") if setup.params.temperature > 0 else ("greedy", "sampled")
+    seeded = None if store is None else store.get("steps", key(kind)) or store.get("steps", key(other))
+    return AutoDrafter(setup, Controller(spec.draft_tokens, spec.draft_lookup, StepCosts(seeded)), key(kind))

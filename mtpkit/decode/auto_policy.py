@@ -157,8 +157,7 @@ class StepCosts:
     def record(self) -> dict:
         """What the store keeps: each width's ratio to a plain step and the draft depth's, those measured in this
         call replacing the stored ones (none without a plain step timed in this call: nothing to divide by)."""
-        ratios = {n: r for n, r in self.ratios.items()}
-        draft = self.draft_ratio
+        ratios, draft = dict(self.ratios), self.draft_ratio
         if 1 in self.measured:
             ratios.update({n: s / self.measured[1] for n, s in self.measured.items() if n > 1})
             if self.draft_median is not None:
@@ -170,8 +169,8 @@ class StepCosts:
         """Whether `record()` differs from the stored figures by more than STORE_TOLERANCE (a width new or one
         moved): only then is it worth rewriting the store (~15 ms for a route store of SmolLM2's shapes)."""
         now = self.record()
-        if now["ratios"].keys() != {str(n) for n in self.ratios} or ("draft_ratio" in now) != (self.draft_ratio
-                                                                                               is not None):
+        new_draft = ("draft_ratio" in now) != (self.draft_ratio is not None)
+        if now["ratios"].keys() != {str(n) for n in self.ratios} or new_draft:
             return True
         pairs = [(now["ratios"][str(n)], r) for n, r in self.ratios.items()]
         pairs += [(now["draft_ratio"], self.draft_ratio)] if self.draft_ratio is not None else []

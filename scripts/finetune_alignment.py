@@ -139,7 +139,7 @@ def mixed_refresh_prompts(out: Path, setup: dict) -> Path:
         held = {p["prompt"] for p in setup["general"]}
         n = len(setup["refresh_prompts"]) // 2
         general = [p for p in build_prompts(4 * n, seed=7) if "prompt" in p and p["prompt"] not in held][:n]
-        lines = [json.dumps({"prompt": p["prompt"], "kind": "code"}) for p in setup["refresh_prompts"]]
+        lines = (out / "refresh_prompts.jsonl").read_text().splitlines()
         lines += [json.dumps({"prompt": p["prompt"], "chat": p["chat"], "kind": p["kind"]}) for p in general]
         path.write_text("\n".join(lines) + "\n")
     return path
@@ -473,7 +473,7 @@ def main() -> int:
     table = summary(results)
     text = render(table)
     extras = []
-    for arm in ("b01", "b03", "c", "d", "e", "f", "g"):
+    for arm in [arm for arm in ARMS if arm != "a"]:
         if any(k.startswith(arm + "/") for k in results):
             d, se = paired_vs(results, arm, "a")
             extras.append(f"- domain k=1, {arm} - a: {d:+.3f} ± {se:.3f} (paired over prompts and seeds)")

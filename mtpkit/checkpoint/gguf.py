@@ -16,10 +16,13 @@ row ``h*d + 2*j + s``. :func:`_unpermute_qk` applies the inverse:
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import pathlib
 import re
+import shutil
+import tempfile
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -326,8 +329,6 @@ def load_gguf_tokenizer(path: str | os.PathLike):
         try:
             return AutoTokenizer.from_pretrained(str(cached))
         except (OSError, ValueError):  # a damaged cache entry: converted again and replaced below
-            import shutil
-
             shutil.rmtree(cached, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     if beside:
@@ -346,26 +347,22 @@ def load_gguf_tokenizer(path: str | os.PathLike):
 def _converted_tokenizer_dir(path: pathlib.Path) -> pathlib.Path | None:
     """Where the tokenizer converted from `path` is kept: named by the file (path, size, mtime) and the
     transformers version that converted it; None when the file cannot be stat'ed."""
-    import hashlib
-
     import transformers
 
     from ..assets import cache_dir
 
+    resolved = path.resolve()
     try:
-        st = path.resolve().stat()
+        st = resolved.stat()
     except OSError:
         return None
-    key = "\0".join([str(path.resolve()), str(st.st_size), str(st.st_mtime_ns), transformers.__version__])
+    key = "\0".join([str(resolved), str(st.st_size), str(st.st_mtime_ns), transformers.__version__])
     return cache_dir() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def _keep_converted(tokenizer, where: pathlib.Path) -> None:
     """Save `tokenizer` to `where` whole or not at all (written beside it, then renamed); a cache that cannot be
     written is skipped: the next load converts again."""
-    import shutil
-    import tempfile
-
     try:
         where.parent.mkdir(parents=True, exist_ok=True)
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=where.name + ".", dir=where.parent))

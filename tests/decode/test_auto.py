@@ -248,7 +248,9 @@ def test_a_call_starts_with_plain_steps_that_time_the_plain_step():
     assert got.stats["forward_passes"] - got.stats["verification_steps"] >= auto_policy.PLAIN_FIRST
 
 
-def test_step_costs_are_kept_for_the_next_call(tmp_path, monkeypatch):
+@pytest.fixture
+def recorded(tmp_path, monkeypatch):
+    """A drafting model with a route store of its own at tmp_path/m.json, and the list of every AutoDrafter built."""
     from mtpkit.decode.matmul_routing import router_for
     from mtpkit.decode.route_store import RouteStore
 
@@ -262,6 +264,13 @@ def test_step_costs_are_kept_for_the_next_call(tmp_path, monkeypatch):
             built.append(self)
 
     monkeypatch.setattr(auto, "AutoDrafter", Recorded)
+    return model, built
+
+
+def test_step_costs_are_kept_for_the_next_call(tmp_path, recorded):
+    from mtpkit.decode.route_store import RouteStore
+
+    model, built = recorded
     mtpkit.generate(model, PROMPTS[:1], max_new_tokens=24, draft="auto")
     steps = RouteStore(tmp_path / "m.json").entries["steps"]
     assert list(steps) == [built[0].store_key] and steps[built[0].store_key]["ratios"]
@@ -331,20 +340,10 @@ def test_stored_ratios_of_widths_a_call_did_not_measure_are_kept():
     assert costs.verify(4) == pytest.approx(0.026)
 
 
-def test_sampled_decoding_starts_from_the_greedy_ratios_until_it_has_its_own(tmp_path, monkeypatch):
-    from mtpkit.decode.matmul_routing import router_for
+def test_sampled_decoding_starts_from_the_greedy_ratios_until_it_has_its_own(tmp_path, recorded):
     from mtpkit.decode.route_store import RouteStore
 
-    model = drafting_model("llama")
-    router_for(model).store = RouteStore(tmp_path / "m.json")
-    built = []
-
-    class Recorded(auto.AutoDrafter):
-        def __init__(self, *args):
-            super().__init__(*args)
-            built.append(self)
-
-    monkeypatch.setattr(auto, "AutoDrafter", Recorded)
+    model, built = recorded
     mtpkit.generate(model, PROMPTS[:1], max_new_tokens=24, draft="auto")
     greedy = built[0].controller.costs.record()["ratios"]
     mtpkit.generate(model, PROMPTS[:1], max_new_tokens=24, draft="auto", temperature=1.0, seed=0)

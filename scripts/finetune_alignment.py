@@ -24,6 +24,8 @@ write the results (results.json, table.md, alignment.png).
     python scripts/finetune_alignment.py --out runs/alignment --device cuda --seeds 0,1   # the full run (GPU)
     python scripts/finetune_alignment.py --out runs/alignment_cpu --device cpu --size cpu  # the CPU-scale run
     python scripts/finetune_alignment.py --out runs/alignment_tiny --device cpu --size tiny # a check of the script
+    python scripts/finetune_alignment.py --out runs/alignment_cpu --device cpu --size cpu --arms a --more-domain 128
+        # base and a on 128 domain prompts more: the drift test (a - base) at a smaller standard error
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ def prepare(out: Path, corpus: Path, tok, size: dict) -> dict:
     if sets_path.exists():
         return {"base": base, **json.loads(sets_path.read_text())}
     held = read_corpus(corpus / "heldout.jsonl")
-    domain = cut_prompts(held, tok, size["domain_prompts"], context_tokens=512, min_left=size["new_tokens"] + 64)
+    domain = domain_prompts(held, tok, size["domain_prompts"], size)
     prompt_files = {p["path"] for p in domain}
     windows = []
     for doc in held:  # loss windows from held-out files that gave no prompt
@@ -129,6 +131,27 @@ def prepare(out: Path, corpus: Path, tok, size: dict) -> dict:
     with (out / "refresh_eval_prompts.jsonl").open("w") as f:
         f.writelines(json.dumps({"prompt": p["prompt"], "kind": "code"}) + "\n" for p in domain[:16])
     return {"base": base, **sets}
+
+
+def domain_prompts(held: list[dict], tok, n: int, size: dict) -> list[dict]:
+    """n prompts cut mid-file from n held-out files; a larger n continues the same draw (its first prompts are
+    those of a smaller n)."""
+    return cut_prompts(held, tok, n, context_tokens=512, min_left=size["new_tokens"] + 64)
+
+
+def more_domain_prompts(out: Path, setup: dict, corpus: Path, tok, size: dict, n: int) -> list[dict]:
+    """n domain prompts beyond the first ones, from files that gave none: the drift test's extension (a - base has
+    the smallest effect of the comparisons, so it needs the most prompts). Kept in eval_sets.json."""
+    if len(setup.get("domain_more", [])) != n:
+        domain = setup["domain"]
+        drawn = domain_prompts(read_corpus(corpus / "heldout.jsonl"), tok, len(domain) + n, size)
+        if drawn[: len(domain)] != domain:
+            raise ValueError("the held-out corpus no longer gives the run's domain prompts: --more-domain needs the "
+                             "corpus the run was prepared with (--corpus)")
+        setup["domain_more"] = drawn[len(domain):]
+        sets = {k: v for k, v in setup.items() if k != "base"}
+        (out / "eval_sets.json").write_text(json.dumps(sets))
+    return setup["domain_more"]
 
 
 def mixed_refresh_prompts(out: Path, setup: dict) -> Path:
@@ -240,12 +263,13 @@ def acceptance(model, rows: list[list[int]], eos, new_tokens: int, batch: int) -
     return out
 
 
-def evaluate(model_dir: Path, setup: dict, answers, device, size: dict) -> dict:
+def evaluate(model_dir: Path, setup: dict, answers, device, size: dict, sets=("domain", "general")) -> dict:
+    """Losses (when answers are given) and acceptance over each of `sets`."""
     model = mtpkit.load_model(model_dir).eval().to(device)
     tok = load_tokenizer(model_dir)
-    result = losses(model, setup["windows"], answers, device)
+    result = losses(model, setup["windows"], answers, device) if answers is not None else {}
     batch = 128 if device.type == "cuda" else 64  # on 2 cores a 64-row step streams the weights once for 4x the rows
-    for name in ("domain", "general"):
+    for name in sets:
         rows = [encode_prompt(tok, p["prompt"], p.get("chat", False)) for p in setup[name]]
         result[name] = acceptance(model, rows, tok.eos_token_id, size["new_tokens"], batch)
     return result
@@ -318,6 +342,19 @@ def paired_vs(results: dict, arm: str, other: str, where: str = "domain", k: str
     if not pairs:
         return float("nan"), float("nan")
     return statistics.mean(d for d, _ in pairs), statistics.mean(s for _, s in pairs) / math.sqrt(len(pairs))
+
+
+def drift_vs_base(results: dict, key: str) -> dict[str, tuple[float, float, int]] | None:
+    """key - base per k over the domain prompts and their extension together (paired), with the prompt count; None
+    unless both were measured on the extension."""
+    if "domain_more" not in results[key] or "domain_more" not in results.get("base", {}):
+        return None
+    out = {}
+    for k in map(str, KS):
+        mine, base = ([*r["domain"][k]["per_prompt"], *r["domain_more"][k]["per_prompt"]]
+                      for r in (results[key], results["base"]))
+        out[k] = (*paired_difference_se(mine, base), len(mine))
+    return out
 
 
 def render(table: dict) -> str:
@@ -406,6 +443,9 @@ def main() -> int:
                     help="full: the GPU run; cpu: the CPU-scale run (days of 2 cores); tiny: checks the script")
     ap.add_argument("--deadline-minutes", type=float, help="start no stage that would end after this")
     ap.add_argument("--no-speedup", action="store_true", help="skip the timed speedup stage")
+    ap.add_argument("--more-domain", type=int, default=0, metavar="N",
+                    help="measure base and the finished --arms on N domain prompts more (the drift test at a smaller "
+                         "standard error)")
     args = ap.parse_args()
     size = {"full": FULL, "cpu": CPU, "tiny": TINY}[args.size]
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -454,6 +494,18 @@ def main() -> int:
                 continue
             if value is not None:
                 save(key, value, time.perf_counter() - start)
+    if args.more_domain:
+        more_domain_prompts(out, setup, corpus, tok, size, args.more_domain)
+        for key in ("base", *[f"{a}/seed{s}" for s in map(int, args.seeds.split(",")) for a in arms]):
+            if key not in results or "domain_more" in results[key] or not deadline.allows(took.get("more", 0) * 1.2):
+                continue
+            start = time.perf_counter()
+            results[key]["domain_more"] = evaluate(model_dir(out, key), setup, None, device, size,
+                                                   ("domain_more",))["domain_more"]
+            took["more"] = time.perf_counter() - start
+            results_path.write_text(json.dumps(results))
+            log(f"{key}: {args.more_domain} domain prompts more in {took['more']:.0f} s; k=1..3 " + " ".join(
+                f"{results[key]['domain_more'][str(k)]['mean_acceptance_length']:.3f}" for k in KS))
     if not args.no_speedup:
         for key in ("base", *[k for k in results if k.endswith("/seed0")]):
             if "speedup" in results[key] or not model_dir(out, key).exists():
@@ -477,6 +529,13 @@ def main() -> int:
         if any(k.startswith(arm + "/") for k in results):
             d, se = paired_vs(results, arm, "a")
             extras.append(f"- domain k=1, {arm} - a: {d:+.3f} ± {se:.3f} (paired over prompts and seeds)")
+    for key in results:
+        drift = drift_vs_base(results, key) if key != "base" else None
+        if drift:
+            same = all(results[key]["domain_more"][k]["identical"] for k in map(str, KS))
+            extras.append(f"- {key} - base over {drift['1'][2]} domain prompts (with the extension), k=1..3: "
+                          + ", ".join(f"{d:+.3f} ± {se:.3f}" for d, se, _ in drift.values())
+                          + f"; extension identical to plain: {'yes' if same else 'NO'}")
     (out / "table.md").write_text(text + "\n\n" + "\n".join(extras) + "\n")
     (out / "summary.json").write_text(json.dumps(table, indent=1))
     print(text)

@@ -2,7 +2,8 @@
 one run (tokens/s are medians of interleaved repeats; run it on a quiet machine):
 
 1. fresh processes: plain decoding of one chat prompt in N new processes (the spread of their tokens/s around the
-   median: the decode routes are read from the route store, not drawn anew), and in each of N more, auto's first
+   median: the decode routes are read from the route store, not drawn anew; beside it, as a control, the spread
+   of N calls in one process: what the machine itself gives), and in each of N more, auto's first
    call against its second (a first call that calibrates runs slower); each call timed whole, from the caller;
    and `mtpkit generate --chat` with --draft off and auto, N processes each, timed from start to exit;
 2. prompts where drafting fails (random token ids, a language the model barely knows, sampling at T = 1.2):
@@ -76,9 +77,14 @@ def fresh_processes(n: int, new_tokens: int) -> dict:
     for i in range(n):  # interleaved, each order in turn
         for draft in ("off", "auto") if i % 2 else ("auto", "off"):
             cli[draft].append(cli_seconds(draft, new_tokens))
+    # the control: the same call n times in one process (its first call left out), whose spread is the machine's
+    # own (a VM's clock and neighbours); processes cannot be shown closer to each other than that
+    one = in_fresh_process("off", n + 1, new_tokens)[1:]
     median = statistics.median(plain)
     return {"plain_tokens_per_s": plain, "plain_median": median,
             "plain_worst_deviation": max(abs(p / median - 1) for p in plain),
+            "one_process_tokens_per_s": one,
+            "one_process_worst_deviation": max(abs(p / statistics.median(one) - 1) for p in one),
             "auto_first_over_second": [a / b for a, b in pairs], "auto_first_over_plain_median":
             statistics.median(a for a, _ in pairs) / median,
             "cli_seconds": cli, "cli_auto_over_off": statistics.median(cli["auto"]) / statistics.median(cli["off"])}
@@ -138,6 +144,9 @@ def render(report: dict) -> str:
         lines += ["1. fresh processes (one chat prompt)",
                   f"   plain tok/s: {', '.join(f'{x:.1f}' for x in f['plain_tokens_per_s'])}; median "
                   f"{f['plain_median']:.1f}, worst deviation {f['plain_worst_deviation']:.1%}",
+                  f"   control, {len(f['one_process_tokens_per_s'])} calls in one process: "
+                  f"{', '.join(f'{x:.1f}' for x in f['one_process_tokens_per_s'])}; worst deviation "
+                  f"{f['one_process_worst_deviation']:.1%} (the machine's own spread)",
                   f"   auto, first call / second call in each process: "
                   f"{', '.join(f'{x:.2f}' for x in f['auto_first_over_second'])}",
                   f"   auto first call / plain median: {f['auto_first_over_plain_median']:.2f}",

@@ -37,15 +37,16 @@ def model(request, tmp_path_factory):
     return mtpkit.load_model(path)
 
 
-def _step(model, layer, B, T, tree=None, seed=0):
-    """A cache holding a random prefix per row (rows at different lengths), and the context of a T-token step."""
+def _step(model, layer, B, T, tree=None, seed=0, starts=(9, 4, 13), length=64):
+    """A cache of `length` slots holding a random prefix per row (rows at different lengths: `starts`), and the
+    context of a T-token step."""
     g = torch.Generator().manual_seed(seed)
     cfg = model.config
-    cache = Cache(cfg, B, 64, torch.float32, "cpu")
+    cache = Cache(cfg, B, length, torch.float32, "cpu")
     kv = cache.layers[0] if layer is not model.mtp.layers[0] else cache.mtp[0]
     kv.k.normal_(generator=g)
     kv.v.normal_(generator=g)
-    start = torch.tensor([[9], [4], [13]][:B])
+    start = torch.tensor(starts[:B]).unsqueeze(1)
     slots = start + torch.arange(T)  # [B, T]
     ctx = model.context(slots, None, cache, slots, torch.float32, int(slots.max()) + 1, tree)
     x = torch.randn(B, T, cfg.hidden_size, generator=g)
@@ -77,6 +78,33 @@ def test_equals_the_modules(model, B, T, which):
     torch.testing.assert_close(kv.k, ref_k, rtol=1e-5, atol=1e-5)  # this step's K/V written where the modules do
     torch.testing.assert_close(kv.v, ref_v, rtol=1e-5, atol=1e-5)
     assert not torch.equal(kv.k, k0)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_long_caches_span_several_chunks(model, T):
+    # the attention works in chunks of 128 slots (csrc/decode_layer.cpp kChunk): rows of 300-700 slots, one ending
+    # inside a group of 8, one a chunk boundary inside its step
+    layer = model.model.layers[1]
+    x, ctx, kv = _step(model, layer, 2, T, seed=5, starts=(637, 253), length=700)
+    with torch.inference_mode():
+        ref = layer(x, ctx, kv)
+        got = fused(layer, x, ctx.rope, ctx.mask, kv, ctx.cache_positions)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("start", [5, 126, 300])
+def test_a_row_computes_the_same_alone_as_among_a_verify_steps_rows(model, start):
+    # a verify step's first row sees exactly what a decode step at that slot sees (its later rows are masked for
+    # it) and must give the same bits: greedy speculation then picks what plain decoding picks
+    layer = model.model.layers[0]
+    x, ctx4, kv = _step(model, layer, 1, 4, seed=7, starts=(start,), length=512)
+    k0, v0 = kv.k.clone(), kv.v.clone()
+    _, ctx1, _ = _step(model, layer, 1, 1, seed=7, starts=(start,), length=512)
+    with torch.inference_mode():
+        four = fused(layer, x, ctx4.rope, ctx4.mask, kv, ctx4.cache_positions)
+        one = fused(layer, x[:, :1].contiguous(), ctx1.rope, ctx1.mask, SimpleNamespace(k=k0, v=v0),
+                    ctx1.cache_positions)
+    assert torch.equal(four[:, :1], one)
 
 
 def test_a_draft_tree_mask(model):

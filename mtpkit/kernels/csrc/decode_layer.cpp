@@ -35,15 +35,6 @@ void rms_norm(const float* x, const float* w, float* y, int64_t M, int64_t H, fl
   }
 }
 
-float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float s = mtpkit::horizontal_sum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
 // y += a * x
 void axpy(float a, const float* x, float* y, int64_t n) {
   const __m256 av = _mm256_set1_ps(a);
@@ -64,6 +55,166 @@ void rotate(float* v, const float* cos, const float* sin, int64_t heads, int64_t
       p[i + half] = x2 * cos[i + half] + x1 * sin[i + half];
     }
   }
+}
+
+// exp(x) for 8 lanes of x <= 0 (scores less their maximum): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by the minimax
+// polynomial of Cephes' expf (S. L. Moshier, Cephes Math Library: its coefficients and two-part ln2), 2^n from the
+// exponent bits. Within 2 ulp of std::exp; x below -87 (exp underflowing fp32's normal range) gives ~1e-38.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+}
+
+// q . k_j for the 8 keys k_j = k + j * stride (j = 0..7), the 8 dot products reduced together (one horizontal
+// reduction per 8 keys, not one per key)
+inline __m256 dot8(const float* q, const float* k, int64_t stride, int64_t D) {
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(k + j * stride + d), qv, acc[j]);
+  }
+  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  const __m256 w = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+  __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u, w, 0x20), _mm256_permute2f128_ps(u, w, 0x31));
+  if (d < D) {  // a head size that is not a multiple of 8: the last channels one key at a time
+    alignas(32) float tail[8];
+    _mm256_store_ps(tail, sums);
+    for (int j = 0; j < 8; ++j)
+      for (int64_t t = d; t < D; ++t) tail[j] += q[t] * k[j * stride + t];
+    sums = _mm256_load_ps(tail);
+  }
+  return sums;
+}
+
+// o[0, D) += sum over j < n of w[j] * v_j (v_j = v + j * stride), slot by slot, the slots of weight 0 (hidden)
+// skipped; 64 channels at a time held in registers (accumulating in memory, each slot waited on the last one's
+// store: ~4x slower)
+void weighted_sum(const float* w, const float* v, int64_t stride, int64_t n, int64_t D, float* o) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_loadu_ps(o + d0 + 8 * i);
+    for (int64_t j = 0; j < n; ++j) {
+      if (w[j] == 0.f) continue;
+      const __m256 wj = _mm256_set1_ps(w[j]);
+      const float* vj = v + j * stride + d0;
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vj + 8 * i), acc[i]);
+    }
+    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(o + d0 + 8 * i, acc[i]);
+  }
+  for (; d0 < D; ++d0)  // a head size that is not a multiple of 64: the rest channel by channel
+    for (int64_t j = 0; j < n; ++j)
+      if (w[j] != 0.f) o[d0] = std::fma(w[j], v[j * stride + d0], o[d0]);
+}
+
+constexpr int64_t kChunk = 128;  // cache slots per piece of the attention's work (a multiple of 8)
+
+// Softmax attention of the step's queries over the first S slots of their batch row's cache (the additive mask
+// [B, 1, T, S] hides the rest; GQA: head h reads kv head h / group), flash-decoding style: the work is split into
+// (batch row, kv head, chunk of kChunk slots) pieces, so that each K/V row is read once for every query of the
+// pieces' group (the T rows of a verify step and the heads that share the kv head), and both threads have work at
+// batch 1; each piece keeps its queries' maximum, sum of exps and weighted sum of V, merged afterwards in chunk
+// order. A query's result depends only on its own scores, never on the other rows of the step: a row verified
+// among k + 1 computes what it computes alone.
+void attend(const float* q, const float* kc, const float* vc, const float* mask, float* out, int64_t B, int64_t T,
+            int64_t L, int64_t S, int64_t n_heads, int64_t n_kv, int64_t D) {
+  const int64_t group = n_heads / n_kv, nq = T * group, chunks = (S + kChunk - 1) / kChunk;
+  const int64_t QD = n_heads * D, KD = n_kv * D, pieces = B * n_kv * chunks;
+  constexpr float kNeg = -std::numeric_limits<float>::infinity();
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  // per piece and query: the chunk's max score, sum of exp(score - max), and sum of exp(score - max) * v
+  std::vector<float> top(pieces * nq), total(pieces * nq), acc(pieces * nq * D, 0.f);
+  at::parallel_for(0, pieces, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> score(nq * kChunk), pad_k(8 * D);
+    std::vector<__m256> best(nq);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / (n_kv * chunks), kvh = p / chunks % n_kv, c = p % chunks;
+      const int64_t s0 = c * kChunk, n = std::min(kChunk, S - s0);
+      const float* kb = kc + (b * L + s0) * KD + kvh * D;
+      const float* vb = vc + (b * L + s0) * KD + kvh * D;
+      // scores, 8 slots at a time for every query of the piece (the 8 keys stay in L1 between the queries): the
+      // last 8 of the first S slots may be fewer, their keys then copied to a zero-padded block and the lanes past
+      // S hidden, so that every slot's score is the same sum whatever S (a verify step's S is a decode step's plus
+      // its rows)
+      for (int64_t j = 0; j < n; j += 8) {
+        const bool whole = j + 8 <= n;
+        if (!whole) {
+          std::fill(pad_k.begin(), pad_k.end(), 0.f);
+          for (int64_t r = 0; r < n - j; ++r) std::copy_n(kb + (j + r) * KD, D, pad_k.data() + r * D);
+        }
+        for (int64_t i = 0; i < nq; ++i) {  // query i: row i / group of the step, head kvh * group + i % group
+          const int64_t m = b * T + i / group;
+          const float* row_mask = mask + m * S + s0 + j;
+          alignas(32) float partial_mask[8];
+          if (!whole) {
+            std::fill(partial_mask, partial_mask + 8, kNeg);
+            std::copy_n(row_mask, n - j, partial_mask);
+          }
+          const __m256 mk = _mm256_loadu_ps(whole ? row_mask : partial_mask);
+          const float* qv = q + m * QD + (kvh * group + i % group) * D;
+          const __m256 dots = whole ? dot8(qv, kb + j * KD, KD, D) : dot8(qv, pad_k.data(), D, D);
+          // a hidden slot is -inf whatever its (possibly never written) K holds
+          const __m256 v = _mm256_blendv_ps(_mm256_fmadd_ps(dots, _mm256_set1_ps(scale), mk), _mm256_set1_ps(kNeg),
+                                            _mm256_cmp_ps(mk, _mm256_set1_ps(kNeg), _CMP_EQ_OQ));
+          _mm256_storeu_ps(score.data() + i * kChunk + j, v);
+          best[i] = j ? _mm256_max_ps(best[i], v) : v;
+        }
+      }
+      for (int64_t i = 0; i < nq; ++i) {
+        float* sc = score.data() + i * kChunk;
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, best[i]);
+        const float hi = *std::max_element(lanes, lanes + 8);
+        top[p * nq + i] = hi;
+        if (hi == kNeg) continue;  // every slot of the chunk hidden: it adds nothing
+        const __m256 his = _mm256_set1_ps(hi);
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j += 8) {
+          const __m256 x = _mm256_loadu_ps(sc + j);
+          // exactly 0 for a hidden slot (so that its V is never read)
+          const __m256 w = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(x, his)),
+                                         _mm256_cmp_ps(x, _mm256_set1_ps(kNeg), _CMP_NEQ_OQ));
+          _mm256_storeu_ps(sc + j, w);
+          sum = _mm256_add_ps(sum, w);
+        }
+        total[p * nq + i] = mtpkit::horizontal_sum(sum);
+        weighted_sum(sc, vb, KD, n, D, acc.data() + (p * nq + i) * D);
+      }
+    }
+  });
+  // each query's pieces merged in chunk order: rescaled to the overall maximum
+  at::parallel_for(0, B * n_kv * nq, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t x = i0; x < i1; ++x) {
+      const int64_t b = x / (n_kv * nq), kvh = x / nq % n_kv, i = x % nq;
+      const int64_t first = (b * n_kv + kvh) * chunks;
+      float hi = kNeg;
+      for (int64_t c = 0; c < chunks; ++c) hi = std::max(hi, top[(first + c) * nq + i]);
+      const int64_t t = i / group, hd = kvh * group + i % group;
+      float* o = out + (b * T + t) * QD + hd * D;
+      std::fill(o, o + D, 0.f);
+      float sum = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float m = top[(first + c) * nq + i];
+        if (m == kNeg) continue;
+        const float f = std::exp(m - hi);
+        sum += f * total[(first + c) * nq + i];
+        axpy(f, acc.data() + ((first + c) * nq + i) * D, o, D);
+      }
+      const float inv = 1.f / sum;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+  });
 }
 
 const float* data_or_null(const c10::optional<at::Tensor>& t) {
@@ -154,38 +305,7 @@ at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& input_norm, co
     std::copy_n(v.data() + m * KD, KD, vc + (b * L + s) * KD);
   }
 
-  // softmax attention of each (row, head) over the first S slots of its row's cache (GQA: head / group)
-  const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  const float* mp = mask.const_data_ptr<float>();
-  const int64_t group = n_heads / n_kv;
-  std::fill(attn.begin(), attn.end(), 0.f);
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, S * D));  // small work: one thread
-  at::parallel_for(0, M * n_heads, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> p(S);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t m = i / n_heads, hd = i % n_heads, b = m / T, kvh = hd / group;
-      const float* qv = q.data() + m * QD + hd * D;
-      const float* kb = kc + b * L * KD + kvh * D;
-      const float* vb = vc + b * L * KD + kvh * D;
-      const float* row_mask = mp + m * S;
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t s = 0; s < S; ++s) {
-        p[s] = row_mask[s] == -std::numeric_limits<float>::infinity() ? row_mask[s]
-                                                                       : dot(qv, kb + s * KD, D) * scale + row_mask[s];
-        top = std::max(top, p[s]);
-      }
-      float total = 0.f;
-      float* o = attn.data() + m * QD + hd * D;
-      for (int64_t s = 0; s < S; ++s) {
-        if (p[s] == -std::numeric_limits<float>::infinity()) continue;
-        const float w = std::exp(p[s] - top);
-        total += w;
-        axpy(w, vb + s * KD, o, D);
-      }
-      const float inv = 1.f / total;
-      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-    }
-  });
+  attend(q.data(), kc, vc, mask.const_data_ptr<float>(), attn.data(), B, T, L, S, n_heads, n_kv, D);
 
   // output projection and residual, then the MLP block and its residual
   mtpkit::thin_product(attn.data(), wo, h.data(), M, blocks[3]);

@@ -92,6 +92,21 @@ def test_long_caches_span_several_chunks(model, T):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [64, 72, 128])
+def test_head_sizes_of_released_models(head_dim):
+    # 64 and 128 (SmolLM2, Llama, Qwen3) take the kernel's 64-channel register blocks; 72 leaves 8 channels after one
+    config = _llama_config().replace(head_dim=head_dim, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = CausalLM(config).eval()
+    init_weights(model)
+    layer = model.model.layers[0]
+    x, ctx, kv = _step(model, layer, 2, 3, seed=2, starts=(290, 77), length=320)
+    with torch.inference_mode():
+        ref = layer(x, ctx, kv)
+        got = fused(layer, x, ctx.rope, ctx.mask, kv, ctx.cache_positions)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("start", [5, 126, 300])
 def test_a_row_computes_the_same_alone_as_among_a_verify_steps_rows(model, start):
     # a verify step's first row sees exactly what a decode step at that slot sees (its later rows are masked for

@@ -34,11 +34,14 @@ def _generate(model, rows: list[list[int]], max_new_tokens: int, eos, on_hidden=
 
 def _interleaved(n: int, done: set[int], encoded: list[list[int]], batch_size: int) -> list[int]:
     """The prompts not yet done, in a fixed shuffled order sorted by length within blocks of 16 batches: little
-    padding waste per prefill, and a run stopped early still holds every kind of prompt in its share."""
-    todo = [i for i in range(n) if i not in done]
-    random.Random(0).shuffle(todo)
+    padding waste per prefill, and a run stopped early still holds every kind of prompt in its share. The order is
+    the whole run's with the done prompts left out, so a run stopped between batches resumes with the very batches
+    it would have made: its records and file are the uninterrupted run's."""
+    order = list(range(n))
+    random.Random(0).shuffle(order)
     block = 16 * batch_size
-    return [i for s in range(0, len(todo), block) for i in sorted(todo[s : s + block], key=lambda i: len(encoded[i]))]
+    order = [i for s in range(0, n, block) for i in sorted(order[s : s + block], key=lambda i: len(encoded[i]))]
+    return [i for i in order if i not in done]
 
 
 def _batches(order: list[int], batch_size: int):

@@ -138,3 +138,16 @@ def test_distill_resumes_after_a_kill_without_repeating_or_losing_a_sample(tmp_p
     assert {json.loads(line)["index"]: line for line in lines} == full  # the same records as one clean run
     assert info["tokens"] == sum(sum(json.loads(full[i])["loss_mask"]) for i in full) - sum(
         sum(json.loads(line)["loss_mask"]) for line in first)
+
+
+def test_a_run_stopped_between_batches_resumes_into_the_same_file(tmp_path):
+    save_hf(tiny_hf_model("qwen3"), tmp_path / "m")
+    model = mtpkit.load_model(tmp_path / "m")
+    prompts = [p for p in build_prompts(200, seed=1) if not p["chat"]][:40]  # more than one block of 16 batches
+    distill(model, _CharTokenizer(), prompts, tmp_path / "full.jsonl", max_new_tokens=2, batch_size=1)
+    full = (tmp_path / "full.jsonl").read_text()
+    out = tmp_path / "d.jsonl"
+    out.write_text("".join(full.splitlines(keepends=True)[:5]))  # stopped after five batches
+    distill(model, _CharTokenizer(), prompts, out, max_new_tokens=2, batch_size=1)
+    assert out.read_text() == full
+

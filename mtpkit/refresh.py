@@ -22,8 +22,12 @@ import math
 import time
 from pathlib import Path
 
+import numpy as np
+
 from .checkpoint.graft import NoHead, graft, head_keys
 from .checkpoint.hf import CheckpointError
+from .data.packing import PackedData
+from .train.config import DataSection
 
 FASTMTP_WEIGHTS = [0.51, 0.31, 0.18]  # one shared layer trained at three chained depths, as k = 3 drafting uses it
 
@@ -52,18 +56,25 @@ def split_prompts(prompts: list[dict], eval_prompts: list[dict] | None, eval_eve
     return train, held
 
 
-def train_config(model_dir, features, run_dir, *, tokens: int, layers: int, depth: int | None, epochs: float,
+def train_config(model_dir, features, run_dir, *, lengths: list[int], layers: int, depth: int | None, epochs: float,
                  lr: float, batch_size: int, seq_len: int, device: str, seed: int, progress: bool,
-                 as_drafted: bool = False) -> dict:
-    """The MTP-only training of the head from the features: `epochs` passes over `tokens`, cosine schedule
-    (`as_drafted`: chained depths attend as a draft chain reads the cache, `[mtp] as_drafted`)."""
+                 as_drafted: bool = False, whole_records: bool = False) -> dict:
+    """The MTP-only training of the head from the features of records of `lengths` tokens: `epochs` passes over
+    their packed rows, cosine schedule (`as_drafted`: chained depths attend as a draft chain reads the cache,
+    `[mtp] as_drafted`; `whole_records`: rows of whole records, seq_len raised to the longest)."""
     depth = depth or (3 if layers == 1 else layers)
-    steps = max(1, math.ceil(epochs * tokens / (batch_size * seq_len)))
+    if whole_records:
+        seq_len = max(seq_len, *lengths)
+        rows = PackedData([(np.zeros(n, dtype=np.int64), None) for n in lengths], seq_len, seed=DataSection.seed,
+                          min_doc_tokens=depth + 2, whole=True).rows_per_epoch
+        steps = max(1, math.ceil(epochs * rows / batch_size))
+    else:
+        steps = max(1, math.ceil(epochs * sum(lengths) / (batch_size * seq_len)))
     return {
         "model": {"path": str(model_dir)},
         "mtp": {"depth": depth, "layers": layers, "init": "checkpoint", "only": True, "as_drafted": as_drafted,
                 "weights": FASTMTP_WEIGHTS if depth == 3 else [1.0 / depth] * depth},
-        "data": {"mode": "features", "features": str(features), "seq_len": seq_len},
+        "data": {"mode": "features", "features": str(features), "seq_len": seq_len, "whole_documents": whole_records},
         "train": {"run_dir": str(run_dir), "steps": steps, "batch_size": batch_size, "device": device,
                   "seed": seed},
         "optim": {"lr": lr, "lr_mtp": lr, "warmup_steps": max(1, steps // 20), "weight_decay": 0.0},
@@ -95,7 +106,7 @@ def refresh(model, prompts, out, *, head_from=None, eval_prompts=None, eval_ever
             max_new_tokens: int = 128, batch_size: int = 64, device: str = "auto", dtype: str = "auto",
             depth: int | None = None, epochs: float = 2.0, lr: float = 1e-3, train_batch_size: int = 16,
             seq_len: int = 1024, seed: int = 0, ks=(1, 2, 3), eval_tokens: int = 128, progress: bool = True,
-            as_drafted: bool = False) -> dict:
+            as_drafted: bool = False, whole_records: bool = False) -> dict:
     """Refresh the MTP head of the HF directory `model` (with --head-from's head grafted in first when given) on
     the model's own continuations of `prompts` (a prompts file, `datasets.distill.read_user_prompts`); write OUT as
     the module docstring says and return the report."""
@@ -132,11 +143,12 @@ def refresh(model, prompts, out, *, head_from=None, eval_prompts=None, eval_ever
     seconds["distill"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    tokens = sum(len(json.loads(line)["input_ids"]) for line in records.read_text().splitlines() if line.strip())
-    cfg = config_from_dict(train_config(model_dir, features, out / "train", tokens=tokens, layers=layers,
+    lengths = [len(json.loads(line)["input_ids"]) for line in records.read_text().splitlines() if line.strip()]
+    tokens = sum(lengths)
+    cfg = config_from_dict(train_config(model_dir, features, out / "train", lengths=lengths, layers=layers,
                                         depth=depth, epochs=epochs, lr=lr, batch_size=train_batch_size,
                                         seq_len=seq_len, device=device_type, seed=seed, progress=progress,
-                                        as_drafted=as_drafted))
+                                        as_drafted=as_drafted, whole_records=whole_records))
     refreshed = out / "hf"
     if not refreshed.exists():
         train(cfg)

@@ -10,6 +10,8 @@ with the same data order, steps and seed:
   e    b01, then the same refresh
   f    a, then the same refresh with its chained depths trained as they draft (`mtpkit refresh --as-drafted`)
   g    a, then the refresh on the domain prompts plus half as many general ones (the recipe for a domain refresh)
+  h    a, then the refresh of d with every record whole in one row (`mtpkit refresh --whole-records`: the head
+       attends over each continuation's whole prompt, as when drafting, where d's rows of 512 cut 640-token records)
 The MTP loss trains the head's one layer at three chained depths with FastMTP's weights [0.51, 0.31, 0.18] x lambda,
 as it drafts at k = 3. Every model is measured on held-out files (main loss, 1,024-token windows), on the base
 model's own answers to the 60 general benchmark prompts (main loss: what the fine-tune costs the model's general
@@ -70,8 +72,10 @@ ARMS = {  # arm -> the [mtp] section of its fine-tune (None: the refresh of anot
     "e": None,
     "f": None,
     "g": None,
+    "h": None,
 }
-REFRESHED = {"d": "a", "e": "b01", "f": "a", "g": "a"}
+REFRESHED = {"d": "a", "e": "b01", "f": "a", "g": "a", "h": "a"}
+WHOLE = {"h"}  # refreshes that pack each distilled record whole into a row
 AS_DRAFTED = {"f"}  # refreshes whose depths >= 2 attend as a draft chain reads the MTP cache ([mtp] as_drafted)
 MIXED = {"g"}  # refreshes on the domain prompts plus half as many general ones (the recipe MTP.md gives users)
 # sizes: (train tokens per arm, rows per step, seq_len, domain prompts, general prompts, new tokens, loss windows,
@@ -439,7 +443,7 @@ def run_arm(arm, seed, key, setup, corpus, out, device, size, results, answers, 
                       batch_size=512 if device.type == "cuda" else 16, seed=seed, seq_len=size["seq_len"],
                       train_batch_size=32 if device.type == "cuda" else size["batch"],
                       max_new_tokens=16 if tiny else 128, ks=(1,), eval_tokens=64, progress=False,
-                      as_drafted=arm in AS_DRAFTED)
+                      as_drafted=arm in AS_DRAFTED, whole_records=arm in WHOLE)
         wall = results[source]["wall_seconds"] + sum(rep["seconds"].values())
         extra = {"refresh": {"distilled_tokens": rep["distilled_tokens"], "steps": rep["train_steps"],
                              "seconds": rep["seconds"]}}

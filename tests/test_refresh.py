@@ -120,10 +120,27 @@ def test_as_drafted_reaches_the_head_training(tmp_path):
     from mtpkit.train.config import ConfigKeyError, config_from_dict
 
     def config(layers, as_drafted):
-        return config_from_dict(train_config(tmp_path, tmp_path, tmp_path / "run", tokens=4096, layers=layers,
+        return config_from_dict(train_config(tmp_path, tmp_path, tmp_path / "run", lengths=[64] * 64, layers=layers,
                                              depth=None, epochs=1, lr=1e-3, batch_size=2, seq_len=64, device="cpu",
                                              seed=0, progress=False, as_drafted=as_drafted))
 
     assert config(1, True).mtp.as_drafted and not config(1, False).mtp.as_drafted
     with pytest.raises(ConfigKeyError, match="as_drafted"):  # a head of 2 layers drafts depth 2 with its own layer
         config(2, True)
+
+
+def test_whole_records_rows_hold_the_longest_record_and_steps_count_epochs(tmp_path):
+    from mtpkit.refresh import train_config
+
+    lengths = [300, 500, 640, 200, 420, 350] * 4
+    kw = dict(layers=1, depth=None, epochs=2, lr=1e-3, batch_size=2, seq_len=512, device="cpu", seed=0,
+              progress=False)
+    stream = train_config(tmp_path, tmp_path, tmp_path / "run", lengths=lengths, **kw)
+    assert stream["data"]["seq_len"] == 512 and not stream["data"]["whole_documents"]
+    assert stream["train"]["steps"] == -(-2 * sum(lengths) // (2 * 512))
+    whole = train_config(tmp_path, tmp_path, tmp_path / "run", lengths=lengths, whole_records=True, **kw)
+    assert whole["data"]["seq_len"] == 640 and whole["data"]["whole_documents"]
+    # records of 330 tokens: two never share a row of 512, so 2 epochs of 24 rows take 24 steps of 2 rows (a stream
+    # of rows would take ceil(2 * 24 * 330 / 1024) = 16)
+    one_a_row = train_config(tmp_path, tmp_path, tmp_path / "run", lengths=[330] * 24, whole_records=True, **kw)
+    assert one_a_row["data"]["seq_len"] == 512 and one_a_row["train"]["steps"] == 24

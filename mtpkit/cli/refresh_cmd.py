@@ -28,6 +28,10 @@ def add_parser(sub) -> None:
     p.add_argument("--as-drafted", action="store_true",
                    help="train the chained depths on what a draft chain reads from the MTP cache ([mtp] as_drafted; "
                         "one-layer heads)")
+    p.add_argument("--whole-records", action="store_true",
+                   help="pack each distilled record whole into a row (rows of at least the longest record), so "
+                        "that the head attends over its whole prompt as it does when drafting ([data] "
+                        "whole_documents)")
 
 
 def run(args) -> int:
@@ -41,7 +45,8 @@ def run(args) -> int:
     report = refresh(args.model, args.prompts, args.out, head_from=args.head_from, eval_prompts=args.eval_prompts,
                      max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, device=args.device,
                      dtype=args.dtype, epochs=args.epochs, lr=args.lr, train_batch_size=args.train_batch_size,
-                     seq_len=args.seq_len, seed=args.seed, as_drafted=args.as_drafted)
+                     seq_len=args.seq_len, seed=args.seed, as_drafted=args.as_drafted,
+                     whole_records=args.whole_records)
     print(render(report))
     print(f"refreshed model (mtp.* included) -> {args.out}/hf")
     return 0

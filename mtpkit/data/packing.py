@@ -56,11 +56,11 @@ def pack(docs: list[tuple[np.ndarray, np.ndarray | None]], seq_len: int, pad_id:
 def pack_whole(docs: list[tuple[np.ndarray, np.ndarray | None]], seq_len: int, pad_id: int = 0) -> Packed:
     """Whole documents, in the given order, into rows of seq_len tokens (a document that does not fit starts the
     next row; the rest of a row is padding with its own segment and no loss): for documents with images, whose
-    placeholder tokens must stay with their patches."""
+    placeholder tokens must stay with their patches, and data.whole_documents."""
     too_long = [len(d) for d, _ in docs if len(d) > seq_len]
     if too_long:
-        raise DataError(f"{len(too_long)} image documents are longer than data.seq_len = {seq_len} tokens (up to "
-                        f"{max(too_long)}, image tokens included) and cannot be cut: raise data.seq_len")
+        raise DataError(f"{len(too_long)} documents are longer than data.seq_len = {seq_len} tokens (the longest "
+                        f"has {max(too_long)}, image tokens counted) and cannot be packed whole: raise data.seq_len")
     rows, row, used = [], [], 0
     for i, (d, _) in enumerate(docs):
         if used + len(d) > seq_len:
@@ -88,9 +88,9 @@ class PackedData:
     """Documents -> an endless, deterministic stream of packed rows, addressed by global row index."""
 
     def __init__(self, docs, seq_len: int, *, seed: int = 0, shuffle: bool = True, pad_id: int = 0,
-                 min_doc_tokens: int = 2, vision: list | None = None):
+                 min_doc_tokens: int = 2, vision: list | None = None, whole: bool = False):
         """docs: (ids, loss mask or None) each; vision: per document (pixel_values, image_grid_thw) or None, to
-        pack documents whole and batch their patches with their rows."""
+        pack documents whole and batch their patches with their rows; whole: pack documents whole without images."""
         short = [i for i, (d, _) in enumerate(docs) if len(d) < min_doc_tokens]
         if short:
             if len(short) == len(docs):
@@ -107,17 +107,19 @@ class PackedData:
         if not any(m is None or m[1:].any() for _, m in docs):
             raise DataError("no document has a token to train on (every loss mask is empty: no assistant turns?)")
         self.docs, self.seq_len, self.seed, self.shuffle, self.pad_id = docs, seq_len, seed, shuffle, pad_id
-        self.vision = vision
+        self.vision, self.whole = vision, whole or vision is not None
         self._epoch, self._packed = None, None
         self.num_tokens = int(sum(len(d) for d, _ in docs))
         # whole-document packing leaves row tails empty, so its row count depends on the order: fix it per epoch
-        self.rows_per_epoch = -(-self.num_tokens // seq_len) if vision is None else len(self.epoch(0).input_ids)
+        self.rows_per_epoch = len(self.epoch(0).input_ids) if self.whole else -(-self.num_tokens // seq_len)
         self.val: PackedData | None = None  # held-out documents (build_data with data.val_docs)
 
     def fingerprint(self) -> str:
         """Identifies the document set and packing, so a resume on different data is caught."""
         h = hashlib.sha256()
         h.update(f"{len(self.docs)}:{self.num_tokens}:{self.seq_len}:{self.seed}:{self.shuffle}".encode())
+        if self.whole and self.vision is None:  # packed otherwise than before the option existed
+            h.update(b":whole")
         for d, _ in self.docs[:64]:
             h.update(d[:64].tobytes())
         return h.hexdigest()[:16]
@@ -129,7 +131,7 @@ class PackedData:
             if self.shuffle:
                 order = rng.permutation(len(self.docs))
             docs = [self.docs[i] for i in order]
-            if self.vision is None:
+            if not self.whole:
                 p = pack(docs, self.seq_len, self.pad_id)
             else:
                 p = pack_whole(docs, self.seq_len, self.pad_id)

@@ -122,6 +122,9 @@ class DataSection:
     val_docs: int = 0  # documents held out (a seeded choice) for evaluation (train.eval_every)
     images: bool = False  # records carry images (mtpkit.data.images): a vision-language model is trained
     image_field: str = "image"  # pretrain records: the image path (or list of paths) placed before the text
+    # pack documents whole: none spans two rows (rows end in padding; a longer one is refused), so every target's
+    # MTP attention sees its document from the start (distilled records of a prompt and its continuation)
+    whole_documents: bool = False
 
 
 @dataclass

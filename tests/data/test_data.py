@@ -38,6 +38,26 @@ def test_pack_segments_padding_and_mask_hand_checked():
     assert t2.tolist() == [[3, IGNORE, IGNORE], [7, 8, IGNORE], [IGNORE, IGNORE, IGNORE]]
 
 
+def _pieces(rows) -> list[list[int]]:
+    """The documents' tokens in each segment of packed rows that carries a loss (the padding tail has none)."""
+    return [ids[seg == s].tolist() for ids, seg, mask in zip(rows["input_ids"], rows["segment_ids"], rows["loss_mask"])
+            for s in seg.unique().tolist() if mask[seg == s].any()]
+
+
+def test_whole_documents_never_span_two_rows():
+    docs = docs_of(*range(3, 30, 4))
+    whole = sorted(d.tolist() for d, _ in docs)
+    data = PackedData(docs, 32, seed=4, whole=True)
+    R = data.rows_per_epoch
+    for e in range(3):  # every epoch: each document once, whole, in one row
+        assert sorted(_pieces(data.rows(e * R, R))) == whole
+    assert data.fingerprint() != PackedData(docs, 32, seed=4).fingerprint()
+    cut = PackedData(docs, 32, seed=4)  # power: plain packing cuts documents at row boundaries
+    assert sorted(_pieces(cut.rows(0, cut.rows_per_epoch))) != whole
+    with pytest.raises(DataError, match=r"3 documents are longer than data.seq_len = 16 tokens \(the longest has 27"):
+        PackedData(docs, 16, whole=True)
+
+
 def test_order_is_deterministic_per_seed_and_epoch():
     docs = docs_of(*range(5, 40, 3))
     a, b = PackedData(docs, 8, seed=1), PackedData(docs, 8, seed=1)

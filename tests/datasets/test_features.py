@@ -197,6 +197,27 @@ def test_training_on_features_takes_the_same_steps_as_with_the_trunk(tiny, tmp_p
     assert abs(wrong[0]["mtp_loss"][0] - online[0]["mtp_loss"][0]) > 1e-3
 
 
+def test_records_packed_whole_train_on_features_as_with_the_trunk(tiny, tmp_path):
+    """data.whole_documents: records of 8-69 tokens never straddle a row, so the stored features (computed over
+    whole records) are what the online trunk computes in training, and the two take the same steps."""
+    model_dir, records, tok = tiny
+    build_features(_trunk(model_dir), tok, records, tmp_path / "f32", hidden_dtype="float32", compute="float32",
+                   progress=False)
+    kw = dict(seq_len=80, whole_documents=True)
+    online, online_state = _steps(_raw(model_dir, tmp_path / "online", paths=[str(records)], mode="tokens", **kw))
+    offline, offline_state = _steps(_raw(model_dir, tmp_path / "offline", mode="features",
+                                         features=str(tmp_path / "f32"), **kw))
+    for a, b in zip(online, offline):
+        assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], rel=1e-5)
+    for k in online_state:
+        torch.testing.assert_close(offline_state[k], online_state[k], rtol=1e-4, atol=1e-5)
+    # power check: packed as a stream, records are cut and the online trunk restarts their context at a row start
+    cut, _ = _steps(_raw(model_dir, tmp_path / "cut", paths=[str(records)], mode="tokens", seq_len=80))
+    cut_offline, _ = _steps(_raw(model_dir, tmp_path / "cut_off", mode="features", features=str(tmp_path / "f32"),
+                                 seq_len=80))
+    assert cut[0]["mtp_loss"] != pytest.approx(cut_offline[0]["mtp_loss"], rel=1e-4)
+
+
 def test_features_of_several_directories_train_as_one_directory(tiny, tmp_path):
     """data.features = [A, B] (e.g. the features of two distillations) takes the same steps as one directory built
     over A's and B's records together; directories of another kind are refused in one line."""

@@ -362,9 +362,10 @@ def summary(results: dict) -> dict:
 def paired_vs(results: dict, arm: str, other: str, where: str = "domain", k: str = "1") -> tuple[float, float]:
     """Mean over the seeds both arms have of arm - other (mean acceptance length), with its paired SE."""
     seeds = [key.split("/")[1] for key in results if key.startswith(arm + "/")]
+    other_key = (lambda s: "base") if other == "base" else (lambda s: f"{other}/{s}")
     pairs = [paired_difference_se(results[f"{arm}/{s}"][where][k]["per_prompt"],
-                                  results[f"{other}/{s}"][where][k]["per_prompt"])
-             for s in seeds if f"{other}/{s}" in results]
+                                  results[other_key(s)][where][k]["per_prompt"])
+             for s in seeds if other_key(s) in results]
     if not pairs:
         return float("nan"), float("nan")
     return statistics.mean(d for d, _ in pairs), statistics.mean(s for _, s in pairs) / math.sqrt(len(pairs))
@@ -472,6 +473,11 @@ def main() -> int:
     ap.add_argument("--more-domain", type=int, default=0, metavar="N",
                     help="measure base and the finished --arms on N domain prompts more (the drift test at a smaller "
                          "standard error)")
+    ap.add_argument("--extra", action="append", default=[], metavar="NAME=DIR",
+                    help="also measure the HF model directory DIR as the row NAME (e.g. `mtpkit refresh`'s OUT/hf, "
+                         "to set against arm d)")
+    ap.add_argument("--pair", action="append", default=[], metavar="A-B",
+                    help="print row A - row B paired over prompts (domain and general, k = 1..3), e.g. b01-a")
     args = ap.parse_args()
     size = {"full": FULL, "cpu": CPU, "tiny": TINY}[args.size]
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -521,6 +527,18 @@ def main() -> int:
                 continue
             if value is not None:
                 save(key, value, time.perf_counter() - start)
+    for spec in args.extra:
+        name, _, path = spec.partition("=")
+        if not path or name in ARMS or name == "base" or not name.isidentifier():
+            ap.error(f"--extra {spec}: give NAME=DIR with a NAME of letters, digits and _ that is no arm's")
+        key, link = f"{name}/seed0", model_dir(out, f"{name}/seed0")
+        if not link.exists():  # a link where model_dir looks, so the later stages treat the row as an arm's
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(Path(path).resolve(), target_is_directory=True)
+        if key not in results:
+            start = time.perf_counter()
+            save(key, {"wall_seconds": 0.0, **evaluate(link, setup, answers, device, size)},
+                 time.perf_counter() - start)
     if args.more_domain:
         more_domain_prompts(out, setup, corpus, tok, size, args.more_domain)
         for key in ("base", *[f"{a}/seed{s}" for s in map(int, args.seeds.split(",")) for a in arms]):
@@ -558,6 +576,11 @@ def main() -> int:
         if any(k.startswith(arm + "/") for k in results):
             d, se = paired_vs(results, arm, "a")
             extras.append(f"- domain k=1, {arm} - a: {d:+.3f} ± {se:.3f} (paired over prompts and seeds)")
+    for pair in args.pair:
+        a, _, b = pair.partition("-")
+        for where in ("domain", "general"):
+            extras.append(f"- {where}, {a} - {b}, k=1..3: " + ", ".join(
+                "{:+.3f} ± {:.3f}".format(*paired_vs(results, a, b, where, str(k))) for k in KS))
     for key in results:
         drift = drift_vs_base(results, key) if key != "base" else None
         if drift:

@@ -22,6 +22,9 @@ def add_parser(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=2000)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-tokens", type=int, default=0,
+                   help="also cap a batch at this many cache tokens (rows x (longest prompt + --max-new-tokens)), so "
+                        "that batches of long prompts (--long-share, your own) fit in memory; 0: no cap")
     p.add_argument("--seed", type=int, default=0, help="prompt sampling seed")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the trunk generates (auto: CUDA when one is visible, else the CPU)")
@@ -68,6 +71,8 @@ def run(args) -> int:
 
     if args.num_prompts < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise ValueError("--num-prompts, --batch-size and --max-new-tokens must be >= 1")
+    if args.batch_tokens < 0:
+        raise ValueError(f"--batch-tokens must be >= 0 (0: no cap), not {args.batch_tokens}")
     if not 0 <= args.word_share < 1:
         raise ValueError(f"--word-share must lie in [0, 1), not {args.word_share}")
     if not 0 <= args.long_share < 1:
@@ -87,7 +92,7 @@ def run(args) -> int:
                                  long_sources(tokenizer, seed=args.seed) if args.long_share else None, args.long_share)
     distill_model(args.model, args.out, build, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
                   max_new_tokens=args.max_new_tokens, features=args.features, topk=args.topk,
-                  max_minutes=args.max_minutes,
+                  max_minutes=args.max_minutes, batch_tokens=args.batch_tokens,
                   recorded={"prompts": str(Path(args.prompts).resolve()) if args.prompts else None,
                             **{name: None if args.prompts else getattr(args, name) for name in PROMPT_ARGS}})
     return 0

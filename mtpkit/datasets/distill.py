@@ -44,10 +44,20 @@ def _interleaved(n: int, done: set[int], encoded: list[list[int]], batch_size: i
     return [i for i in order if i not in done]
 
 
-def _batches(order: list[int], batch_size: int):
-    """Consecutive slices of `order`, which is sorted by prompt length: little padding waste per prefill."""
-    for s in range(0, len(order), batch_size):
-        yield order[s : s + batch_size]
+def _batches(order: list[int], batch_size: int, sizes: list[int] | None = None, max_tokens: int = 0):
+    """Consecutive slices of `order`, which is sorted by prompt length: little padding waste per prefill. With
+    `max_tokens`, a slice also ends before its rows x its longest `sizes` (prompt + new tokens: the padded cache a
+    batch fills) would pass max_tokens, so long prompts come in smaller batches (never fewer than one row)."""
+    batch, longest = [], 0
+    for i in order:
+        size = sizes[i] if max_tokens else 0
+        if batch and (len(batch) == batch_size or (len(batch) + 1) * max(longest, size) > max_tokens > 0):
+            yield batch
+            batch, longest = [], 0
+        batch.append(i)
+        longest = max(longest, size)
+    if batch:
+        yield batch
 
 
 def complete_prompts(model, tokenizer, prompts: list[dict], *, batch_size: int = 128) -> list[dict]:
@@ -133,7 +143,8 @@ def _done_indices(out_path: Path, n: int) -> set[int]:
 
 
 def distill(model, tokenizer, prompts: list[dict], out_path, *, max_new_tokens: int = 128, batch_size: int = 32,
-            shards: HiddenShards | None = None, topk: int = 0, max_seconds: float | None = None) -> dict:
+            shards: HiddenShards | None = None, topk: int = 0, max_seconds: float | None = None,
+            batch_tokens: int = 0) -> dict:
     """Greedy-decode every prompt with mtpkit's engine and append one JSONL record per sample to out_path:
     {"index", "input_ids": prompt + completion, "loss_mask": 0 on prompt tokens and 1 on the completion, "kind",
     "prompt"}. Prompts whose index is already in out_path are skipped (resume). With `shards`, each batch's trunk
@@ -147,7 +158,8 @@ def distill(model, tokenizer, prompts: list[dict], out_path, *, max_new_tokens: 
     order = _interleaved(len(prompts), done, encoded, batch_size)
     total, start = 0, time.perf_counter()
     with out_path.open("a") as f, tqdm(total=len(prompts), initial=len(done), desc="distill", unit="prompt") as bar:
-        for idx in _batches(order, batch_size):
+        sizes = [len(e) + max_new_tokens for e in encoded]
+        for idx in _batches(order, batch_size, sizes, batch_tokens):
             if max_seconds is not None and time.perf_counter() - start > max_seconds:
                 break
             capture = HiddenCapture(model, len(idx), hidden_dtype="bfloat16", topk=topk) if shards else None
@@ -182,7 +194,7 @@ def read_user_prompts(path) -> list[dict]:
 
 def distill_model(model_path, out, build, *, device: str = "auto", dtype: str = "auto", batch_size: int = 64,
                   max_new_tokens: int = 128, features=None, topk: int = 0, max_minutes: float | None = None,
-                  recorded: dict | None = None) -> dict:
+                  recorded: dict | None = None, batch_tokens: int = 0) -> dict:
     """`mtpkit distill` as a function: load the model (default: the embedded SmolLM2) on `device` in `dtype`
     ("auto": measured, `kernels.compute_dtype`), take the prompts from `build(tokenizer)` on the first run (kept
     next to `out` for resumes), distill them into `out` and, with `features`, write the features directory.
@@ -196,11 +208,11 @@ def distill_model(model_path, out, build, *, device: str = "auto", dtype: str = 
     with OutputLock(out.with_name(out.name + ".lock"), f"distill output {out}"):
         return _distill_model(model_path, out, build, device=device, dtype=dtype, batch_size=batch_size,
                               max_new_tokens=max_new_tokens, features=features, topk=topk, max_minutes=max_minutes,
-                              recorded=recorded or {})
+                              recorded=recorded or {}, batch_tokens=batch_tokens)
 
 
 def _distill_model(model_path, out: Path, build, *, device, dtype, batch_size, max_new_tokens, features, topk,
-                   max_minutes, recorded: dict) -> dict:
+                   max_minutes, recorded: dict, batch_tokens: int) -> dict:
     import torch
 
     from ..assets import default_gguf_path
@@ -240,7 +252,8 @@ def _distill_model(model_path, out: Path, build, *, device, dtype, batch_size, m
                                     batch_size=batch_size)
     shards = HiddenShards(out) if features else None
     info = distill(model, tokenizer, prompts, out, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                   shards=shards, topk=topk, max_seconds=None if max_minutes is None else 60 * max_minutes)
+                   shards=shards, topk=topk, max_seconds=None if max_minutes is None else 60 * max_minutes,
+                   batch_tokens=batch_tokens)
     print(f"{info['done']} of {len(prompts)} prompts done; {info['tokens']} new tokens in {info['seconds']:.0f} s "
           f"({info['tokens_per_second']:.0f} tokens/s, {compute_name}, {device.type}) -> {out}")
     if shards is not None and info["done"]:

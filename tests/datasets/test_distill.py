@@ -151,3 +151,22 @@ def test_a_run_stopped_between_batches_resumes_into_the_same_file(tmp_path):
     distill(model, _CharTokenizer(), prompts, out, max_new_tokens=2, batch_size=1)
     assert out.read_text() == full
 
+
+
+def test_batch_tokens_caps_the_cache_a_batch_fills(tmp_path, monkeypatch):
+    from mtpkit.datasets import distill as distill_module
+
+    save_hf(tiny_hf_model("qwen3"), tmp_path / "m")
+    model = mtpkit.load_model(tmp_path / "m")
+    prompts = [p for p in build_prompts(80, seed=1) if not p["chat"]][:8]
+    distill(model, _CharTokenizer(), prompts, tmp_path / "plain.jsonl", max_new_tokens=3, batch_size=8)
+    seen = []
+    generate = distill_module._generate
+    monkeypatch.setattr(distill_module, "_generate", lambda m, rows, *a: seen.append(rows) or generate(m, rows, *a))
+    longest = max(len(p["prompt"]) for p in prompts) + 3
+    distill(model, _CharTokenizer(), prompts, tmp_path / "capped.jsonl", max_new_tokens=3, batch_size=8,
+            batch_tokens=2 * longest)
+    assert len(seen) > 2 and all(len(rows) * (max(map(len, rows)) + 3) <= 2 * longest for rows in seen)
+    plain, capped = ({r["index"]: r for r in map(json.loads, (tmp_path / f"{name}.jsonl").read_text().splitlines())}
+                     for name in ("plain", "capped"))
+    assert capped == plain and len(plain) == 8  # smaller batches, the same records

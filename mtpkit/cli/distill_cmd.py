@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..decode.step_engine import ENGINES
+
 DTYPES = ("auto", "float32", "bfloat16")
 # the arguments that choose the built-in prompts (with --prompts: none): a resumed run must give the same ones
 PROMPT_ARGS = ("num_prompts", "seed", "word_share", "long_share", "no_literature")
@@ -26,6 +28,9 @@ def add_parser(sub) -> None:
                    help="also cap a batch at this many cache tokens (rows x (longest prompt + --max-new-tokens)), so "
                         "that batches of long prompts (--long-share, your own) fit in memory; 0: no cap")
     p.add_argument("--seed", type=int, default=0, help="prompt sampling seed")
+    p.add_argument("--engine", choices=ENGINES, default="eager",
+                   help="how decode steps run (`generate(engine=)`): eager, or fixed-shape steps over the cache, "
+                        "compiled and/or replayed as CUDA graphs on a GPU")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the trunk generates (auto: CUDA when one is visible, else the CPU)")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
@@ -92,7 +97,7 @@ def run(args) -> int:
                                  long_sources(tokenizer, seed=args.seed) if args.long_share else None, args.long_share)
     distill_model(args.model, args.out, build, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
                   max_new_tokens=args.max_new_tokens, features=args.features, topk=args.topk,
-                  max_minutes=args.max_minutes, batch_tokens=args.batch_tokens,
+                  max_minutes=args.max_minutes, batch_tokens=args.batch_tokens, engine=args.engine,
                   recorded={"prompts": str(Path(args.prompts).resolve()) if args.prompts else None,
                             **{name: None if args.prompts else getattr(args, name) for name in PROMPT_ARGS}})
     return 0

@@ -26,10 +26,12 @@ from ..tokenizer import encode_prompt
 from .distill_features import HiddenCapture, HiddenShards
 
 
-def _generate(model, rows: list[list[int]], max_new_tokens: int, eos, on_hidden=None) -> list[list[int]]:
+def _generate(model, rows: list[list[int]], max_new_tokens: int, eos, on_hidden=None, engine: str = "eager"
+              ) -> list[list[int]]:
     from ..decode.generate import generate
 
-    return generate(model, rows, max_new_tokens=max_new_tokens, eos_token_id=eos, on_hidden=on_hidden).tokens
+    return generate(model, rows, max_new_tokens=max_new_tokens, eos_token_id=eos, on_hidden=on_hidden,
+                    engine=engine).tokens
 
 
 def _interleaved(n: int, done: set[int], encoded: list[list[int]], batch_size: int) -> list[int]:
@@ -144,7 +146,7 @@ def _done_indices(out_path: Path, n: int) -> set[int]:
 
 def distill(model, tokenizer, prompts: list[dict], out_path, *, max_new_tokens: int = 128, batch_size: int = 32,
             shards: HiddenShards | None = None, topk: int = 0, max_seconds: float | None = None,
-            batch_tokens: int = 0) -> dict:
+            batch_tokens: int = 0, engine: str = "eager") -> dict:
     """Greedy-decode every prompt with mtpkit's engine and append one JSONL record per sample to out_path:
     {"index", "input_ids": prompt + completion, "loss_mask": 0 on prompt tokens and 1 on the completion, "kind",
     "prompt"}. Prompts whose index is already in out_path are skipped (resume). With `shards`, each batch's trunk
@@ -163,7 +165,8 @@ def distill(model, tokenizer, prompts: list[dict], out_path, *, max_new_tokens: 
             if max_seconds is not None and time.perf_counter() - start > max_seconds:
                 break
             capture = HiddenCapture(model, len(idx), hidden_dtype="bfloat16", topk=topk) if shards else None
-            news = _generate(model, [encoded[i] for i in idx], max_new_tokens, tokenizer.eos_token_id, capture)
+            news = _generate(model, [encoded[i] for i in idx], max_new_tokens, tokenizer.eos_token_id, capture,
+                             engine)
             if shards:
                 shards.write(idx, capture, [len(encoded[i]) + len(new) for i, new in zip(idx, news)])
             for i, new in zip(idx, news):
@@ -194,7 +197,7 @@ def read_user_prompts(path) -> list[dict]:
 
 def distill_model(model_path, out, build, *, device: str = "auto", dtype: str = "auto", batch_size: int = 64,
                   max_new_tokens: int = 128, features=None, topk: int = 0, max_minutes: float | None = None,
-                  recorded: dict | None = None, batch_tokens: int = 0) -> dict:
+                  recorded: dict | None = None, batch_tokens: int = 0, engine: str = "eager") -> dict:
     """`mtpkit distill` as a function: load the model (default: the embedded SmolLM2) on `device` in `dtype`
     ("auto": measured, `kernels.compute_dtype`), take the prompts from `build(tokenizer)` on the first run (kept
     next to `out` for resumes), distill them into `out` and, with `features`, write the features directory.
@@ -208,11 +211,11 @@ def distill_model(model_path, out, build, *, device: str = "auto", dtype: str = 
     with OutputLock(out.with_name(out.name + ".lock"), f"distill output {out}"):
         return _distill_model(model_path, out, build, device=device, dtype=dtype, batch_size=batch_size,
                               max_new_tokens=max_new_tokens, features=features, topk=topk, max_minutes=max_minutes,
-                              recorded=recorded or {}, batch_tokens=batch_tokens)
+                              recorded=recorded or {}, batch_tokens=batch_tokens, engine=engine)
 
 
 def _distill_model(model_path, out: Path, build, *, device, dtype, batch_size, max_new_tokens, features, topk,
-                   max_minutes, recorded: dict, batch_tokens: int) -> dict:
+                   max_minutes, recorded: dict, batch_tokens: int, engine: str) -> dict:
     import torch
 
     from ..assets import default_gguf_path
@@ -253,7 +256,7 @@ def _distill_model(model_path, out: Path, build, *, device, dtype, batch_size, m
     shards = HiddenShards(out) if features else None
     info = distill(model, tokenizer, prompts, out, max_new_tokens=max_new_tokens, batch_size=batch_size,
                    shards=shards, topk=topk, max_seconds=None if max_minutes is None else 60 * max_minutes,
-                   batch_tokens=batch_tokens)
+                   batch_tokens=batch_tokens, engine=engine)
     print(f"{info['done']} of {len(prompts)} prompts done; {info['tokens']} new tokens in {info['seconds']:.0f} s "
           f"({info['tokens_per_second']:.0f} tokens/s, {compute_name}, {device.type}) -> {out}")
     if shards is not None and info["done"]:

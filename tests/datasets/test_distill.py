@@ -9,6 +9,7 @@ from tiny_models import save_hf
 
 import mtpkit
 from mtpkit.datasets.distill import distill
+from mtpkit.decode.step_engine import _ENGINES
 from mtpkit.datasets.distill_prompts import TOPICS, build_prompts, vocabulary_words
 from mtpkit.models.presets import tiny_hf_model
 from mtpkit.prompts import read_prompts
@@ -170,3 +171,14 @@ def test_batch_tokens_caps_the_cache_a_batch_fills(tmp_path, monkeypatch):
     plain, capped = ({r["index"]: r for r in map(json.loads, (tmp_path / f"{name}.jsonl").read_text().splitlines())}
                      for name in ("plain", "capped"))
     assert capped == plain and len(plain) == 8  # smaller batches, the same records
+
+
+def test_fixed_shape_steps_distill_the_same_records(tmp_path):
+    save_hf(tiny_hf_model("qwen3"), tmp_path / "m")
+    model = mtpkit.load_model(tmp_path / "m")
+    prompts = [p for p in build_prompts(80, seed=2) if not p["chat"]][:5]
+    for engine in ("eager", "static"):
+        distill(model, _CharTokenizer(), prompts, tmp_path / f"{engine}.jsonl", max_new_tokens=5, batch_size=3,
+                engine=engine)
+    assert (tmp_path / "static.jsonl").read_text() == (tmp_path / "eager.jsonl").read_text()
+    assert any(engine == "static" for engine, _ in _ENGINES[model])  # the fixed-shape steps did run

@@ -1,0 +1,250 @@
+"""The next SmolLM2 head, grown on one GPU in one prepared, time-boxed job (docs/MTP.md section 6, "long inputs").
+
+The shipped head drafts poorly after long inputs: its records were a short prompt and 128 new tokens. This job
+warm-starts it on the model's own continuations of short prompts and of long-input prompts (documents and code files
+of 500-4,000 tokens: `mtpkit distill --long-share`), packed whole so that the MTP attention sees each record's whole
+prompt, and measures the shipped and the new head side by side on prompts no distillation saw. Stages, each a mtpkit
+command or function, logged to OUT/log.txt; a rerun with the same OUT resumes every stage:
+
+  profile   one distillation batch, eager against fixed-shape (CUDA-graph) steps: ms per step, the top kernels
+  distill   short prompts, then long-input prompts (--batch-tokens caps their batches), features kept
+  train     the shipped head, one epoch-ish on both feature sets, records whole in rows of the longest
+  export    OUT/head.safetensors (bf16, with its draft vocabulary)
+  measure   acceptance (k = 1 and 3, chain) of both heads on the held-out prompts, heldout2, the held-out
+            document chats and a context sweep (128-4,096 tokens): OUT/summary.json
+
+    python scripts/gpu_head.py --out OUT --budget 540                    # on the GPU machine
+    python scripts/gpu_head.py --out /tmp/gpu_head_tiny --device cpu --tiny  # a check of the script on CPU
+
+Every stage stops in time: distillation takes --max-minutes, training is sent SIGTERM at its share of the budget
+(it checkpoints and stops), and the measurements take what is left. The long prompts are built (reading installed
+packages' documents: minutes of one CPU core) in the background while the GPU profiles and distils the short ones.
+Figures: OUT/summary.json and OUT/log.txt; the head: OUT/head.safetensors.
+
+On the lent GPU machine (no network; at most 64 MiB travel with a call, the repository ~11 MiB of it) the embedded
+model's 98 MB GGUF travels in two halves, in two calls on the same warm machine: here `split -n 2` it into two
+git-ignored folders, carry the first in a call that copies it to /tmp/mtpkit/, then, while the machine is warm,
+carry the second in the call that joins them into /tmp/mtpkit/SmolLM2-135M-Instruct.Q4_1.gguf and runs
+`MTPKIT_CACHE=/tmp/mtpkit PYTHONPATH=. python3 scripts/gpu_head.py --out /tmp/gpu_head --budget 480`, then copies
+head.safetensors, summary.json and log.txt from /tmp/gpu_head to $OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import mtpkit
+from mtpkit.assets import default_gguf_path
+from mtpkit.bench.acceptance import run_acceptance
+from mtpkit.bench.contexts import context_prompts, python_docs
+from mtpkit.decode.draft_spec import DraftSpec
+from mtpkit.loading import load_for_decoding
+from mtpkit.prompts import encode_prompts, read_prompts
+from mtpkit.resources import resource
+
+REPO = Path(__file__).resolve().parent.parent
+SHIPPED = resource("smollm2_mtp_head.safetensors")
+HELD_OUT = ("heldout_prompts.jsonl", "heldout2_prompts.jsonl", "doc_chat_heldout_prompts.jsonl")
+# shares of the budget (the rest: measuring); sizes of the GPU run and of the CPU check
+SHARES = {"distill_short": 0.27, "distill_long": 0.23, "train": 0.25}
+FULL = dict(short_prompts=200_000, long_prompts=20_000, batch=1024, long_batch=256, batch_tokens=1_500_000,
+            new_tokens=128, contexts=(128, 512, 2048, 4096), eval_tokens=128, eval_batch=40, limit=0,
+            train_batch=16, train_steps=400)
+TINY = dict(short_prompts=8, long_prompts=4, batch=4, long_batch=2, batch_tokens=12_000, new_tokens=8,
+            contexts=(64, 256), eval_tokens=8, eval_batch=4, limit=2, train_batch=2, train_steps=2)
+
+
+class Job:
+    def __init__(self, out: Path, budget: float):
+        self.out, self.began, self.budget = out, time.monotonic(), budget
+        self.log_path = out / "log.txt"
+
+    def left(self) -> float:
+        return self.budget - (time.monotonic() - self.began)
+
+    def log(self, msg: str) -> None:
+        line = f"[{time.monotonic() - self.began:6.0f}s] {msg}"
+        print(line, flush=True)
+        with self.log_path.open("a") as f:
+            f.write(line + "\n")
+
+    def start(self, args: list[str]) -> subprocess.Popen:
+        """A mtpkit command in the background, its output appended to the log."""
+        self.log("$ mtpkit " + " ".join(args) + "  (in the background)")
+        with self.log_path.open("a") as f:
+            return subprocess.Popen([sys.executable, "-m", "mtpkit", *args], stdout=f, stderr=subprocess.STDOUT,
+                                    cwd=REPO)
+
+    def run(self, args: list[str], seconds: float | None = None) -> int:
+        """A mtpkit command, its output appended to the log; SIGTERM after `seconds` (the trainer then saves)."""
+        self.log("$ mtpkit " + " ".join(args))
+        with self.log_path.open("a") as f:
+            proc = subprocess.Popen([sys.executable, "-m", "mtpkit", *args], stdout=f, stderr=subprocess.STDOUT,
+                                    cwd=REPO)
+            try:
+                rc = proc.wait(timeout=seconds)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGTERM)
+                rc = proc.wait()
+                self.log(f"stopped at its share of the budget ({seconds:.0f} s)")
+        self.log(f"rc={rc}")
+        return rc
+
+
+@torch.inference_mode()
+def profile(job: Job, device: str, size: dict) -> dict:
+    """One distillation batch of short prompts decoded eagerly and with fixed-shape steps: ms per new token step
+    (median of 3 after a warm-up) and, on CUDA, the kernels that take the most device time in an eager step."""
+    from mtpkit.datasets.distill_prompts import build_prompts
+    from mtpkit.tokenizer import encode_prompt, load_tokenizer
+
+    model = mtpkit.load_model(default_gguf_path()).eval().to(device)
+    tok = load_tokenizer(default_gguf_path())
+    prompts = [p for p in build_prompts(4 * size["batch"], seed=99) if "prompt" in p][: size["batch"]]
+    rows = [encode_prompt(tok, p["prompt"], p["chat"]) for p in prompts]
+    engines = ("eager", "cuda-graph") if device == "cuda" else ("eager", "static")
+    steps = 16
+    out = {"rows": len(rows), "new_tokens": steps}
+    for engine in engines:
+        times = []
+        for _ in range(4):  # the first warms up (and captures the graphs)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            mtpkit.generate(model, rows, max_new_tokens=steps, engine=engine)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        out[f"{engine}_ms_per_step"] = 1000 * sorted(times[1:])[1] / steps
+        job.log(f"profile: {engine} {out[f'{engine}_ms_per_step']:.1f} ms per step at {len(rows)} rows "
+                "(prefill included)")
+    if device == "cuda":
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            mtpkit.generate(model, rows, max_new_tokens=steps)
+            torch.cuda.synchronize()
+        out["top_kernels"] = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15)
+    out["engine"] = min(engines, key=lambda e: out[f"{e}_ms_per_step"])
+    return out
+
+
+def distill_args(job: Job, name: str, args: list[str], minutes: float, device: str, size: dict, engine: str
+                 ) -> list[str]:
+    """`mtpkit distill` into OUT/NAME.jsonl and OUT/features_NAME, starting new batches for `minutes` (0: build and
+    keep the prompt list only; a later run with the same arguments distils it)."""
+    return ["distill", "--device", device, "--dtype", "float32", "--out", str(job.out / f"{name}.jsonl"),
+            "--features", str(job.out / f"features_{name}"), "--max-new-tokens", str(size["new_tokens"]),
+            "--engine", engine, "--max-minutes", f"{minutes:.2f}", *args]
+
+
+def minutes_for(seconds: float) -> float:
+    """Distillation minutes in a share of `seconds`, leaving time for the features to assemble."""
+    return max(0.8 * seconds - 20, 5) / 60
+
+
+def longest_record(*records: Path) -> int:
+    return max(len(json.loads(line)["input_ids"]) for r in records for line in r.read_text().splitlines()
+               if line.strip())
+
+
+def train(job: Job, features: list[Path], seconds: float, device: str, size: dict) -> Path:
+    run_dir = job.out / "train"
+    seq_len = -(-longest_record(*(f.parent / (f.name.removeprefix("features_") + ".jsonl") for f in features)) // 64) * 64
+    job.run(["train", str(REPO / "configs/smollm2_mtp_head.toml"), "--mtp.init=checkpoint",
+             f"--mtp.init_from={SHIPPED}", "--data.features=" + json.dumps([str(f) for f in features]),
+             f"--data.seq_len={seq_len}", "--data.whole_documents=true", f"--train.run_dir={run_dir}",
+             f"--train.device={device}", "--train.autocast=" + ("bf16" if device == "cuda" else "fp32"),
+             f"--train.steps={size['train_steps']}", f"--train.batch_size={size['train_batch']}",
+             f"--train.micro_batch_size={size['train_batch']}", "--train.eval_every=0", "--data.val_docs=0",
+             f"--checkpoint.every={max(1, size['train_steps'] // 8)}", "--optim.warmup_steps=10",
+             "--optim.lr=1e-3", "--optim.lr_mtp=1e-3", "--log.every=10", "--log.progress=false"], seconds)
+    head = job.out / "head.safetensors"
+    job.run(["export", str(run_dir), "--mtp-only", "--dtype", "bfloat16", "--out", str(head)])
+    return head
+
+
+@torch.inference_mode()
+def measure(job: Job, heads: dict[str, Path], device: str, size: dict) -> dict:
+    """Mean acceptance length at k = 1 and 3 (chain) per held-out set and context length, for each head."""
+    specs = DraftSpec.grid([1, 3])
+    result = {}
+    for name, head in heads.items():
+        loaded = load_for_decoding(head=head)
+        model, tok = loaded.model.eval().to(device), loaded.tokenizer
+        sets = {f: encode_prompts(read_prompts(resource(f))[: size["limit"] or None], tok, model) for f in HELD_OUT}
+        by_length = context_prompts(python_docs(), tok, list(size["contexts"]), size["limit"] or 8)
+        sets.update({f"context_{n}": prompts for n, prompts in by_length.items()})
+        result[name] = {}
+        for set_name, prompts in sets.items():
+            if job.left() < 20:
+                job.log(f"measure: out of time before {name} / {set_name}")
+                return result
+            report = run_acceptance(model, prompts, num_tokens=size["eval_tokens"], specs=specs,
+                                    eos_token_id=tok.eos_token_id, batch_size=size["eval_batch"], progress=False)
+            result[name][set_name] = {f"k{run['draft_tokens']}": {
+                "mean_acceptance_length": run["mean_acceptance_length"],
+                "accepted_per_position": run["accepted_per_position"]} for run in report["runs"]}
+            result[name][set_name]["prompts"] = len(prompts)
+            job.log(f"measure: {name} {set_name}: " + ", ".join(
+                f"{k} {v['mean_acceptance_length']:.3f}" for k, v in result[name][set_name].items() if k != "prompts"))
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--budget", type=float, default=540, help="seconds for the whole job")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="a few prompts and steps: checks the script")
+    args = ap.parse_args()
+    size = TINY if args.tiny else FULL
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    job = Job(out, args.budget)
+    summary_path = out / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary["device"] = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    summary["torch"] = torch.__version__
+    job.log(f"start: {summary['device']}, budget {args.budget:.0f} s")
+
+    budget = args.budget
+    short = ["--num-prompts", str(size["short_prompts"]), "--batch-size", str(size["batch"]), "--seed", "41",
+             "--word-share", "0.35", "--no-literature"]
+    long = ["--num-prompts", str(size["long_prompts"]), "--batch-size", str(size["long_batch"]), "--batch-tokens",
+            str(size["batch_tokens"]), "--seed", "42", "--long-share", "0.9", "--no-literature"]
+    # the engine decides batches' arithmetic, not which prompts: the background build takes the eager one
+    building = job.start(distill_args(job, "long", long, 0, args.device, size, "eager"))
+    if "profile" not in summary:
+        summary["profile"] = profile(job, args.device, size)
+        summary_path.write_text(json.dumps(summary, indent=1))
+    engine = summary["profile"]["engine"]
+    job.run(distill_args(job, "short", short, minutes_for(SHARES["distill_short"] * budget), args.device, size,
+                         engine))
+    job.log(f"long prompts built: rc={building.wait()}")
+    job.run(distill_args(job, "long", long, minutes_for(SHARES["distill_long"] * budget), args.device, size, engine))
+    for name in ("short", "long"):
+        meta = json.loads((out / f"features_{name}" / "meta.json").read_text())
+        summary[f"distilled_{name}"] = {k: meta.get(k) for k in ("records", "tokens")}
+    head = train(job, [out / "features_short", out / "features_long"], SHARES["train"] * budget, args.device, size)
+    summary_path.write_text(json.dumps(summary, indent=1))
+    summary["acceptance"] = measure(job, {"shipped": SHIPPED, "new": head}, args.device, size)
+    summary["seconds"] = time.monotonic() - job.began
+    summary_path.write_text(json.dumps(summary, indent=1))
+    job.log(f"done in {summary['seconds']:.0f} s -> {summary_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

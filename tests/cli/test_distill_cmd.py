@@ -151,3 +151,16 @@ def test_long_share_adds_the_long_kinds(tmp_path, monkeypatch, capsys):
     assert (kinds["document"], kinds["code_file"], kinds["long_multiturn"]) == (100, 50, 50)
     assert main(argv + ["--long-share", "1.5"]) == 2
     assert "--long-share must lie in [0, 1)" in capsys.readouterr().err
+
+
+def test_batch_tokens_and_engine_reach_the_distillation(tmp_path, monkeypatch, capsys):
+    from mtpkit.datasets import distill
+
+    got = {}
+    monkeypatch.setattr(distill, "distill_model", lambda model, out, build, **kw: got.update(kw))
+    argv = ["distill", "--out", str(tmp_path / "d.jsonl"), "--no-literature"]
+    assert main(argv + ["--batch-tokens", "65536", "--engine", "cuda-graph"]) == 0
+    assert got["batch_tokens"] == 65536 and got["engine"] == "cuda-graph"
+    assert main(argv + ["--batch-tokens", "-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--batch-tokens must be >= 0" in err and "\n" not in err

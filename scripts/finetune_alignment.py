@@ -16,8 +16,7 @@ The MTP loss trains the head's one layer at three chained depths with FastMTP's 
 as it drafts at k = 3. Every model is measured on held-out files (main loss, 1,024-token windows), on the base
 model's own answers to the 60 general benchmark prompts (main loss: what the fine-tune costs the model's general
 behaviour), and by greedy speculative decoding over the full vocabulary of prompts cut mid-file from held-out files
-(domain: new_tokens a prompt, past an end of file) and of the general prompts (until EOS): mean acceptance length
-at k = 1..3 per prompt (standard errors over prompts, paired between arms), per-position acceptance, and whether
+(domain) and of the general prompts, until EOS: mean acceptance length at k = 1..3 per prompt (standard errors over prompts, paired between arms), per-position acceptance, and whether
 every speculative row equals plain decoding. Speedup over plain decoding (batch 1, medians of interleaved repeats)
 is timed last, for as many models as the time allows.
 
@@ -88,7 +87,9 @@ CPU = dict(train_tokens=327_680, batch=4, seq_len=512, domain_prompts=64, genera
 TINY = dict(train_tokens=2048, batch=2, seq_len=256, domain_prompts=4, general_prompts=3, new_tokens=16,
             loss_windows=2, refresh_prompts=12, timed_prompts=1)
 KS = (1, 2, 3)
-DOMAIN_SETS = ("domain", "domain_more")  # decoded past EOS, so that every arm generates new_tokens a prompt
+# the domain prompts decoded past EOS, new_tokens each (vLLM's benchmarks' --ignore-eos): the fine-tuned models end
+# some files at once, so until EOS they write fewer tokens; past it they start another file
+PAST_EOS = "domain_past_eos"
 
 
 class Deadline:
@@ -260,9 +261,9 @@ def losses(model, windows: list[list[int]], answers: list[list[list[int]]], devi
 @torch.inference_mode()
 def acceptance(model, rows: list[list[int]], eos, new_tokens: int, batch: int) -> dict:
     """Per k: the tokens kept per step of every prompt, per-position acceptance, identical to plain greedy. eos None:
-    every row runs `new_tokens` (past an end of file, as vLLM's benchmarks' --ignore-eos)."""
+    every row runs `new_tokens`."""
     plain, _, _ = decode_rows(model, rows, k=0, num_tokens=new_tokens, eos_token_id=eos, batch_size=batch)
-    out = {"new_tokens": statistics.mean(map(len, plain)), "ignore_eos": eos is None}
+    out = {"new_tokens": statistics.mean(map(len, plain))}
     for k in KS:
         tokens, lengths, per_position = decode_rows(model, rows, k=k, num_tokens=new_tokens, eos_token_id=eos,
                                                     batch_size=batch)
@@ -270,35 +271,31 @@ def acceptance(model, rows: list[list[int]], eos, new_tokens: int, batch: int) -
     return out
 
 
-def evaluate(model_dir: Path, setup: dict, answers, device, size: dict, sets=("domain", "general")) -> dict:
+def evaluate(model_dir: Path, setup: dict, answers, device, size: dict, sets=("domain", "general", PAST_EOS)) -> dict:
     """Losses (when answers are given) and acceptance over each of `sets`."""
     model = mtpkit.load_model(model_dir).eval().to(device)
     tok = load_tokenizer(model_dir)
     result = losses(model, setup["windows"], answers, device) if answers is not None else {}
     batch = 128 if device.type == "cuda" else 64  # on 2 cores a 64-row step streams the weights once for 4x the rows
     for name in sets:
-        rows = [encode_prompt(tok, p["prompt"], p.get("chat", False)) for p in setup[name]]
-        eos = None if name in DOMAIN_SETS else tok.eos_token_id
-        result[name] = acceptance(model, rows, eos, size["new_tokens"], batch)
+        prompts = setup["domain" if name == PAST_EOS else name]
+        rows = [encode_prompt(tok, p["prompt"], p.get("chat", False)) for p in prompts]
+        result[name] = acceptance(model, rows, None if name == PAST_EOS else tok.eos_token_id, size["new_tokens"],
+                                  batch)
     return result
 
 
-def remeasure_domain(results: dict, out: Path, setup: dict, device, size: dict, deadline, took: dict) -> None:
-    """Domain figures measured while decoding stopped at EOS (fine-tuned models end files early: ~106 new tokens
-    a prompt) are measured again at `new_tokens` each; the earlier ones are kept under "<set>_until_eos"."""
+def measure_past_eos(results: dict, out: Path, setup: dict, device, size: dict, deadline, took: dict) -> None:
+    """The domain prompts past EOS for every measured model that lacks them."""
     for key, result in results.items():
-        stale = [name for name in DOMAIN_SETS if name in result and not result[name].get("ignore_eos")]
-        if not stale or not model_dir(out, key).exists() or not deadline.allows(1.2 * took.get("remeasure", 0.0)):
+        if PAST_EOS in result or not model_dir(out, key).exists() or not deadline.allows(1.2 * took.get("past", 0.0)):
             continue
         start = time.perf_counter()
-        fresh = evaluate(model_dir(out, key), setup, None, device, size, stale)
-        for name in stale:
-            result[f"{name}_until_eos"] = result[name]
-            result[name] = fresh[name]
-        took["remeasure"] = time.perf_counter() - start
+        result[PAST_EOS] = evaluate(model_dir(out, key), setup, None, device, size, (PAST_EOS,))[PAST_EOS]
+        took["past"] = time.perf_counter() - start
         (out / "results.json").write_text(json.dumps(results))
-        log(f"{key}: {', '.join(stale)} measured again past EOS in {took['remeasure']:.0f} s; domain k=1..3 "
-            + " ".join(f"{result['domain'][str(k)]['mean_acceptance_length']:.3f}" for k in KS))
+        log(f"{key}: domain past EOS in {took['past']:.0f} s; k=1..3 "
+            + " ".join(f"{result[PAST_EOS][str(k)]['mean_acceptance_length']:.3f}" for k in KS))
 
 
 @torch.inference_mode()
@@ -507,7 +504,6 @@ def main() -> int:
         save("base", {"wall_seconds": 0.0, **evaluate(setup["base"], setup, answers, device, size)},
              time.perf_counter() - start)
     took["eval"] = 0.0
-    remeasure_domain(results, out, setup, device, size, deadline, took)
     arms = args.arms.split(",")
     for seed in map(int, args.seeds.split(",")):
         for arm in arms:
@@ -539,6 +535,7 @@ def main() -> int:
             start = time.perf_counter()
             save(key, {"wall_seconds": 0.0, **evaluate(link, setup, answers, device, size)},
                  time.perf_counter() - start)
+    measure_past_eos(results, out, setup, device, size, deadline, took)
     if args.more_domain:
         more_domain_prompts(out, setup, corpus, tok, size, args.more_domain)
         for key in ("base", *[f"{a}/seed{s}" for s in map(int, args.seeds.split(",")) for a in arms]):
@@ -581,6 +578,14 @@ def main() -> int:
         for where in ("domain", "general"):
             extras.append(f"- {where}, {a} - {b}, k=1..3: " + ", ".join(
                 "{:+.3f} ± {:.3f}".format(*paired_vs(results, a, b, where, str(k))) for k in KS))
+    for key, r in results.items():
+        if PAST_EOS in r:
+            vs = ("; k=1 vs base " + "{:+.3f} ± {:.3f}".format(*paired_difference_se(
+                r[PAST_EOS]["1"]["per_prompt"], results["base"][PAST_EOS]["1"]["per_prompt"]))
+                  if key != "base" and PAST_EOS in results.get("base", {}) else "")
+            extras.append(f"- {key} past EOS ({r[PAST_EOS]['new_tokens']:.0f} new tokens a prompt; until EOS "
+                          f"{r['domain']['new_tokens']:.1f}), k=1..3: " + " / ".join(
+                              f"{r[PAST_EOS][str(k)]['mean_acceptance_length']:.3f}" for k in KS) + vs)
     for key in results:
         drift = drift_vs_base(results, key) if key != "base" else None
         if drift:

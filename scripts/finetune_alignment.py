@@ -16,9 +16,10 @@ The MTP loss trains the head's one layer at three chained depths with FastMTP's 
 as it drafts at k = 3. Every model is measured on held-out files (main loss, 1,024-token windows), on the base
 model's own answers to the 60 general benchmark prompts (main loss: what the fine-tune costs the model's general
 behaviour), and by greedy speculative decoding over the full vocabulary of prompts cut mid-file from held-out files
-(domain) and of the general prompts, until EOS: mean acceptance length at k = 1..3 per prompt (standard errors over prompts, paired between arms), per-position acceptance, and whether
-every speculative row equals plain decoding. Speedup over plain decoding (batch 1, medians of interleaved repeats)
-is timed last, for as many models as the time allows.
+(domain) and of the general prompts, until EOS: mean acceptance length at k = 1..3 per prompt (standard errors
+over prompts, paired between arms), per-position acceptance, and whether every speculative row equals plain
+decoding; the domain prompts also past EOS (new_tokens each). Speedup over plain decoding (batch 1, medians of
+interleaved repeats) is timed last, for as many models as the time allows.
 
 Every stage is kept under --out and skipped when rerun; --deadline-minutes stops starting new stages in time to
 write the results (results.json, table.md, alignment.png).
@@ -28,6 +29,9 @@ write the results (results.json, table.md, alignment.png).
     python scripts/finetune_alignment.py --out runs/alignment_tiny --device cpu --size tiny # a check of the script
     python scripts/finetune_alignment.py --out runs/alignment_cpu --device cpu --size cpu --arms a --more-domain 96
         # base and a on 96 domain prompts more: the drift test (a - base) at a smaller standard error
+    python scripts/finetune_alignment.py --out runs/alignment_cpu --device cpu --size cpu --arms a,d \
+        --extra d_cli=runs/alignment_cpu/refresh_cli/hf --pair d_cli-d
+        # `mtpkit refresh`'s own output measured as a row and set against arm d
 """
 
 from __future__ import annotations

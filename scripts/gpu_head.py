@@ -160,7 +160,8 @@ def longest_record(*records: Path) -> int:
 
 def train(job: Job, features: list[Path], seconds: float, device: str, size: dict) -> Path:
     run_dir = job.out / "train"
-    seq_len = -(-longest_record(*(f.parent / (f.name.removeprefix("features_") + ".jsonl") for f in features)) // 64) * 64
+    records = [f.parent / (f.name.removeprefix("features_") + ".jsonl") for f in features]
+    seq_len = -(-longest_record(*records) // 64) * 64  # rows hold the longest record whole, in whole blocks of 64
     job.run(["train", str(REPO / "configs/smollm2_mtp_head.toml"), "--mtp.init=checkpoint",
              f"--mtp.init_from={SHIPPED}", "--data.features=" + json.dumps([str(f) for f in features]),
              f"--data.seq_len={seq_len}", "--data.whole_documents=true", f"--train.run_dir={run_dir}",

@@ -50,6 +50,7 @@ from mtpkit.decode.draft_spec import DraftSpec
 from mtpkit.loading import load_for_decoding
 from mtpkit.prompts import encode_prompts, read_prompts
 from mtpkit.resources import resource
+from mtpkit.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = resource("smollm2_mtp_head.safetensors")
@@ -105,7 +106,7 @@ def profile(job: Job, device: str, size: dict) -> dict:
     """One distillation batch of short prompts decoded eagerly and with fixed-shape steps: ms per new token step
     (median of 3 after a warm-up) and, on CUDA, the kernels that take the most device time in an eager step."""
     from mtpkit.datasets.distill_prompts import build_prompts
-    from mtpkit.tokenizer import encode_prompt, load_tokenizer
+    from mtpkit.tokenizer import encode_prompt
 
     model = mtpkit.load_model(default_gguf_path()).eval().to(device)
     tok = load_tokenizer(default_gguf_path())
@@ -179,13 +180,13 @@ def train(job: Job, features: list[Path], seconds: float, device: str, size: dic
 def measure(job: Job, heads: dict[str, Path], device: str, size: dict) -> dict:
     """Mean acceptance length at k = 1 and 3 (chain) per held-out set and context length, for each head."""
     specs = DraftSpec.grid([1, 3])
+    tok = load_tokenizer(default_gguf_path())  # both heads sit on the one trunk: its prompts are tokenized once
+    sets = {f: encode_prompts(read_prompts(resource(f))[: size["limit"] or None], tok) for f in HELD_OUT}
+    by_length = context_prompts(python_docs(), tok, list(size["contexts"]), size["limit"] or 8)
+    sets.update({f"context_{n}": prompts for n, prompts in by_length.items()})
     result = {}
     for name, head in heads.items():
-        loaded = load_for_decoding(head=head)
-        model, tok = loaded.model.eval().to(device), loaded.tokenizer
-        sets = {f: encode_prompts(read_prompts(resource(f))[: size["limit"] or None], tok, model) for f in HELD_OUT}
-        by_length = context_prompts(python_docs(), tok, list(size["contexts"]), size["limit"] or 8)
-        sets.update({f"context_{n}": prompts for n, prompts in by_length.items()})
+        model = load_for_decoding(head=head).model.eval().to(device)
         result[name] = {}
         for set_name, prompts in sets.items():
             if job.left() < 20:

@@ -23,12 +23,12 @@ def build_data(cfg_data, tokenizer, mtp_depth: int, processor=None) -> PackedDat
     data.images, records carry images (see `mtpkit.data.images`) and `processor` is the checkpoint's.
     data.mode = "features" reads the records of a features directory instead (`mtpkit.data.features`)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    make, common = PackedData, dict(pad_id=pad, min_doc_tokens=mtp_depth + 2, whole=cfg_data.whole_documents)
+    packing = dict(min_doc_tokens=mtp_depth + 2, whole=cfg_data.whole_documents)
+    make, common = PackedData, dict(pad_id=pad, **packing)
     if cfg_data.mode == "features":
         store = FeatureStores(cfg_data.features)
         docs, vision, files = store.documents(), None, store.roots
-        make, common = FeaturesData, dict(store=store, pad_token=pad, min_doc_tokens=mtp_depth + 2,
-                                          whole=cfg_data.whole_documents)
+        make, common = FeaturesData, dict(store=store, pad_token=pad, **packing)
     else:
         docs, vision, files = _read_documents(cfg_data, tokenizer, processor)
     if not docs:

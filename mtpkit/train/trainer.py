@@ -33,6 +33,7 @@ from ..data.build import build_data
 from ..data.images import batch_rows
 from ..data.packing import DataLoader
 from ..locking import OutputLock
+from ..models.mtp import is_mtp_param
 from ..models.multimodal import load_processor
 from ..parallel.apply import parallelize
 from ..parallel.distributed import all_reduce_sum, barrier, init_distributed, shutdown
@@ -295,15 +296,22 @@ class Trainer:
         return rec
 
     def _clip_gradients(self) -> float:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if not grads:
-            return 0.0
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        """Clips to train.grad_clip and returns the global gradient norm. With mtp.detach_trunk the trunk and
+        mtp.* are clipped apart, so the MTP gradients cannot scale the trunk's step: it stays main-loss-only."""
+        named = [(n, p) for n, p in self.model.named_parameters() if p.grad is not None]
+        if self.cfg.mtp.detach_trunk:
+            parts = [[p for n, p in named if not is_mtp_param(n)], [p for n, p in named if is_mtp_param(n)]]
+        else:
+            parts = [[p for _, p in named]]
+        norms = [self._clip(part) for part in parts if part]
+        return math.sqrt(sum(n * n for n in norms))
+
+    def _clip(self, params: list) -> float:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
         if hasattr(norm, "full_tensor"):  # DTensor (FSDP2): the partial norms reduced over ranks
             norm = norm.full_tensor()
         if self.cfg.train.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_([p for p in self.model.parameters() if p.grad is not None],
-                                                 self.cfg.train.grad_clip, norm)
+            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.train.grad_clip, norm)
         return float(norm)
 
     def _diverged(self, what: str) -> None:

@@ -235,3 +235,29 @@ def test_depth_zero_is_plain_next_token_training(tmp_path):
     # to rounding, so compare with a tolerance (bitwise equality held on one machine and failed on another)
     assert summary["last"]["mtp_loss"] == []
     assert summary["last"]["loss"] == pytest.approx(summary["last"]["main_loss"], rel=1e-6)
+
+
+def test_detach_trunk_trunk_steps_as_main_loss_only_training_even_when_clipping_bites(tmp_path):
+    """With the trunk detached from the MTP loss, its updates are those of main-loss-only training: the MTP
+    gradients (clipped apart) must not scale the trunk's step through a shared clipping norm."""
+    import mtpkit
+    from mtpkit.train.trainer import Trainer
+
+    raw = tiny_raw_config(tmp_path)
+    torch.manual_seed(0)
+    mtpkit.save_model(mtpkit.add_mtp(mtpkit.build_model(dict(TINY_MODEL)), 2), tmp_path / "init")
+
+    def trunk_after(mtp: dict, run: str) -> dict:
+        trainer = Trainer(config_from_dict({
+            **raw, "model": {"path": str(tmp_path / "init"), "tokenizer": raw["model"]["tokenizer"]},
+            "mtp": {**mtp, "init": "checkpoint"}, "train": {**raw["train"], "steps": 3, "grad_clip": 0.05,
+                                                            "run_dir": str(tmp_path / run)},
+            "checkpoint": {"every": 0, "save_final": False}}))
+        trainer.fit()
+        return {k: v for k, v in trainer.model.state_dict().items() if not k.startswith("mtp.")}
+
+    detached = trunk_after({"depth": 2, "mtp_lambda": 3.0, "detach_trunk": True}, "detached")
+    plain = trunk_after({"depth": 0}, "plain")
+    assert detached.keys() == plain.keys()
+    for k, v in plain.items():
+        assert torch.allclose(detached[k], v, rtol=1e-5, atol=1e-7), k

@@ -56,6 +56,17 @@ class MTPTrainerMixin:
             logs[f"{prefix}mtp_tau"] = round(tau_sim(acc), 4)
         super().log(logs, *args, **kwargs)
 
+    def _clip_grad_norm(self, model):
+        """With detach_trunk, the trunk and the head clipped apart (as `mtpkit train` does): a shared norm would let
+        the MTP gradients scale the trunk's steps. Sharded engines (FSDP, DeepSpeed) clip one norm, as before."""
+        core = self._mtp_model(model)
+        if not core.loss_config.detach_trunk or self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            return super()._clip_grad_norm(model)
+        head = {id(p) for p in core.mtp.parameters()}
+        parts = ([p for p in model.parameters() if id(p) not in head], [p for p in model.parameters() if id(p) in head])
+        norms = [torch.as_tensor(self.accelerator.clip_grad_norm_(part, self.args.max_grad_norm)) for part in parts]
+        return torch.linalg.vector_norm(torch.stack(norms))
+
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         if not self.args.should_save:
             return

@@ -58,10 +58,11 @@ def split_prompts(prompts: list[dict], eval_prompts: list[dict] | None, eval_eve
 
 def train_config(model_dir, features, run_dir, *, lengths: list[int], layers: int, depth: int | None, epochs: float,
                  lr: float, batch_size: int, seq_len: int, device: str, seed: int, progress: bool,
-                 as_drafted: bool = False, whole_records: bool = False) -> dict:
+                 as_drafted: bool = False, whole_records: bool = False, autocast: str = "fp32") -> dict:
     """The MTP-only training of the head from the features of records of `lengths` tokens: `epochs` passes over
     their packed rows, cosine schedule (`as_drafted`: chained depths attend as a draft chain reads the cache,
-    `[mtp] as_drafted`; `whole_records`: rows of whole records, seq_len raised to the longest)."""
+    `[mtp] as_drafted`; `whole_records`: rows of whole records, seq_len raised to the longest; `autocast`:
+    train.autocast)."""
     depth = depth or (3 if layers == 1 else layers)
     if whole_records:
         seq_len = max(seq_len, *lengths)
@@ -76,7 +77,7 @@ def train_config(model_dir, features, run_dir, *, lengths: list[int], layers: in
                 "weights": FASTMTP_WEIGHTS if depth == 3 else [1.0 / depth] * depth},
         "data": {"mode": "features", "features": str(features), "seq_len": seq_len, "whole_documents": whole_records},
         "train": {"run_dir": str(run_dir), "steps": steps, "batch_size": batch_size, "device": device,
-                  "seed": seed},
+                  "seed": seed, "autocast": autocast},
         "optim": {"lr": lr, "lr_mtp": lr, "warmup_steps": max(1, steps // 20), "weight_decay": 0.0},
         "checkpoint": {"every": max(1, steps // 4), "keep": 1},
         "log": {"every": max(1, steps // 10), "progress": progress},
@@ -110,7 +111,8 @@ def refresh(model, prompts, out, *, head_from=None, eval_prompts=None, eval_ever
     """Refresh the MTP head of the HF directory `model` (with --head-from's head grafted in first when given) on
     the model's own continuations of `prompts` (a prompts file, `datasets.distill.read_user_prompts`); write OUT as
     the module docstring says and return the report."""
-    from .datasets.distill import distill_model, read_user_prompts
+    from .datasets.distill import distill_model, manifest_path, read_user_prompts
+    from .manifest import read_manifest
     from .parallel.distributed import pick_device
     from .train.config import config_from_dict
     from .train.export import export
@@ -145,10 +147,12 @@ def refresh(model, prompts, out, *, head_from=None, eval_prompts=None, eval_ever
     start = time.perf_counter()
     lengths = [len(json.loads(line)["input_ids"]) for line in records.read_text().splitlines() if line.strip()]
     tokens = sum(lengths)
+    # the head trains in the dtype distillation measured (--dtype auto) or was given: bf16 only where it is faster
+    autocast = "bf16" if read_manifest(manifest_path(records))["dtype"] == "bfloat16" else "fp32"
     cfg = config_from_dict(train_config(model_dir, features, out / "train", lengths=lengths, layers=layers,
                                         depth=depth, epochs=epochs, lr=lr, batch_size=train_batch_size,
                                         seq_len=seq_len, device=device_type, seed=seed, progress=progress,
-                                        as_drafted=as_drafted, whole_records=whole_records))
+                                        as_drafted=as_drafted, whole_records=whole_records, autocast=autocast))
     refreshed = out / "hf"
     if not refreshed.exists():
         train(cfg)

@@ -144,3 +144,13 @@ def test_whole_records_rows_hold_the_longest_record_and_steps_count_epochs(tmp_p
     # of rows would take ceil(2 * 24 * 330 / 1024) = 16)
     one_a_row = train_config(tmp_path, tmp_path, tmp_path / "run", lengths=[330] * 24, whole_records=True, **kw)
     assert one_a_row["data"]["seq_len"] == 512 and one_a_row["train"]["steps"] == 24
+
+
+@pytest.mark.parametrize("dtype,autocast", [("float32", "fp32"), ("bfloat16", "bf16")])
+def test_the_head_trains_in_the_dtype_distillation_ran_in(planted, tmp_path, dtype, autocast):
+    from mtpkit.train.config import load_config
+
+    small = {**SMALL, "dtype": dtype, "max_new_tokens": 8, "ks": (1,), "eval_tokens": 8}
+    refresh(planted / "finetuned", planted / "prompts.txt", tmp_path / "out", head_from=planted / "base", epochs=1,
+            **small)
+    assert load_config(tmp_path / "out" / "train" / "config.toml").train.autocast == autocast

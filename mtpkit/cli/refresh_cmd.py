@@ -19,7 +19,8 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="prompts decoded at once")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                   help="distillation and report compute (auto: measured, as in `mtpkit distill`)")
+                   help="compute of distillation, head training (bf16 autocast) and report (auto: measured, as in "
+                        "`mtpkit distill`)")
     p.add_argument("--epochs", type=float, default=2.0, help="passes of head training over the distilled tokens")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--train-batch-size", type=int, default=16, help="packed rows of --seq-len tokens per step")

@@ -13,7 +13,8 @@ with the same data order, steps and seed:
   h    a, then the refresh of d with every record whole in one row (`mtpkit refresh --whole-records`: the head
        attends over each continuation's whole prompt, as when drafting, where d's rows of 512 cut 640-token records)
 The MTP loss trains the head's one layer at three chained depths with FastMTP's weights [0.51, 0.31, 0.18] x lambda,
-as it drafts at k = 3. Every model is measured on held-out files (main loss, 1,024-token windows), on the base
+as it drafts at k = 3. Every model is measured on held-out files (main loss over windows of the run's seq_len:
+1,024 tokens, 512 at CPU scale), on the base
 model's own answers to the 60 general benchmark prompts (main loss: what the fine-tune costs the model's general
 behaviour), and by greedy speculative decoding over the full vocabulary of prompts cut mid-file from held-out files
 (domain) and of the general prompts, until EOS: mean acceptance length at k = 1..3 per prompt (standard errors
@@ -32,6 +33,12 @@ write the results (results.json, table.md, alignment.png).
     python scripts/finetune_alignment.py --out runs/alignment_cpu --device cpu --size cpu --arms a,d \
         --extra d_cli=runs/alignment_cpu/refresh_cli/hf --pair d_cli-d
         # `mtpkit refresh`'s own output measured as a row and set against arm d
+
+On the lent GPU machine (no network; one H200 for minutes): the embedded model's GGUF travels in two halves in two
+calls, as scripts/gpu_head.py's docstring says; then, in the second call, `MTPKIT_CACHE=/tmp/mtpkit PYTHONPATH=.
+python3 scripts/finetune_alignment.py --out /tmp/alignment --device cuda --arms a,b01,c,d,b03,e --deadline-minutes 7
+--no-speedup` and copy /tmp/alignment/{results.json,table.md,alignment.png} and its log to $OUT. The corpus is built
+there from that machine's installed packages, so its figures are a run of their own, not the CPU run's sets.
 """
 
 from __future__ import annotations

@@ -6,11 +6,16 @@ from __future__ import annotations
 import os
 
 import torch
+from accelerate.utils import DistributedType
+from torch.distributed.tensor import DTensor
 from transformers import Trainer
 from transformers.trainer import TRAINING_ARGS_NAME
 
 from ..train.loss import tau_sim
 from .model import MTPModel
+
+# one process or plain data parallelism: every rank holds whole, already reduced gradients
+_REPLICATED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
 class MTPTrainerMixin:
@@ -58,13 +63,16 @@ class MTPTrainerMixin:
 
     def _clip_grad_norm(self, model):
         """With detach_trunk, the trunk and the head clipped apart (as `mtpkit train` does): a shared norm would let
-        the MTP gradients scale the trunk's steps. Sharded engines (FSDP, DeepSpeed) clip one norm, as before."""
+        the MTP gradients scale the trunk's steps. Engines that clip for themselves (FSDP, DeepSpeed, XLA) and
+        tensor-parallel (DTensor) gradients keep transformers' one norm."""
         core = self._mtp_model(model)
-        if not core.loss_config.detach_trunk or self.is_fsdp_enabled or self.is_deepspeed_enabled:
+        if (not core.loss_config.detach_trunk or self.accelerator.distributed_type not in _REPLICATED
+                or any(isinstance(p.grad, DTensor) for p in model.parameters())):
             return super()._clip_grad_norm(model)
         head = {id(p) for p in core.mtp.parameters()}
         parts = ([p for p in model.parameters() if id(p) not in head], [p for p in model.parameters() if id(p) in head])
-        norms = [torch.as_tensor(self.accelerator.clip_grad_norm_(part, self.args.max_grad_norm)) for part in parts]
+        self.accelerator.unscale_gradients()  # once per step: fp16's GradScaler refuses a second unscale
+        norms = [torch.nn.utils.clip_grad_norm_(part, self.args.max_grad_norm) for part in parts]
         return torch.linalg.vector_norm(torch.stack(norms))
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:

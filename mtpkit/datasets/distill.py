@@ -144,6 +144,16 @@ def _done_indices(out_path: Path, n: int) -> set[int]:
     return done
 
 
+def check_fits(encoded: list[list[int]], max_new_tokens: int, config) -> None:
+    """Refuses prompts that leave no room for max_new_tokens in the model's context, before any is decoded."""
+    context = config.max_position_embeddings
+    over = [i for i, ids in enumerate(encoded) if len(ids) + max_new_tokens > context]
+    if over:
+        raise ValueError(f"{len(over)} prompt(s) leave no room for {max_new_tokens} new tokens in the model's context "
+                         f"of {context} (prompt {over[0] + 1} of {len(encoded)}: {len(encoded[over[0]])} tokens): "
+                         "shorten or drop them, or lower --max-new-tokens")
+
+
 def distill(model, tokenizer, prompts: list[dict], out_path, *, max_new_tokens: int = 128, batch_size: int = 32,
             shards: HiddenShards | None = None, topk: int = 0, max_seconds: float | None = None,
             batch_tokens: int = 0, engine: str = "eager") -> dict:
@@ -157,6 +167,7 @@ def distill(model, tokenizer, prompts: list[dict], out_path, *, max_new_tokens: 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = _done_indices(out_path, len(prompts))
     encoded = [encode_prompt(tokenizer, p["prompt"], p["chat"]) for p in prompts]
+    check_fits(encoded, max_new_tokens, model.config)
     order = _interleaved(len(prompts), done, encoded, batch_size)
     total, start = 0, time.perf_counter()
     with out_path.open("a") as f, tqdm(total=len(prompts), initial=len(done), desc="distill", unit="prompt") as bar:
@@ -237,6 +248,14 @@ def _distill_model(model_path, out: Path, build, *, device, dtype, batch_size, m
     if topk < 0 or topk > model.config.vocab_size:
         raise ValueError(f"--topk must lie in 0..{model.config.vocab_size}, not {topk}")
     identity = model_identity(model)  # of the weights as loaded, which training loads too
+    tokenizer = load_tokenizer(path)
+    if not prompts_path(out).exists():
+        # a new run: its prompts are checked before the manifest and the prompt list are written, so a prompt too long
+        # for the context costs no work and the corrected file starts clean (prompts the model writes come later)
+        fresh = build(tokenizer)
+        check_fits([encode_prompt(tokenizer, p["prompt"], p["chat"]) for p in fresh if "prompt" in p],
+                   max_new_tokens, model.config)
+        build = lambda _: fresh  # noqa: E731
     if dtype == "auto" and manifest and manifest.get("dtype") in ("float32", "bfloat16"):  # resumed: as it started
         compute = getattr(torch, manifest["dtype"])
     else:
@@ -250,7 +269,6 @@ def _distill_model(model_path, out: Path, build, *, device, dtype, batch_size, m
         "topk": topk, "args": recorded}, f"distill output {out}",
         "give the same --model, --dtype and arguments to continue it, or write to another --out")
     model = model.to(device=device, dtype=compute)
-    tokenizer = load_tokenizer(path)
     prompts = load_or_build_prompts(model, tokenizer, prompts_path(out), lambda: build(tokenizer),
                                     batch_size=batch_size)
     shards = HiddenShards(out) if features else None

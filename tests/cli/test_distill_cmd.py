@@ -164,3 +164,19 @@ def test_batch_tokens_and_engine_reach_the_distillation(tmp_path, monkeypatch, c
     assert main(argv + ["--batch-tokens", "-1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--batch-tokens must be >= 0" in err and "\n" not in err
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_any_work(models, tmp_path, capsys):
+    """Refused before the manifest and the prompt list are written: the corrected file then runs as a new run
+    (found after the first batches, the run's saved prompt list would have kept the bad prompt for every resume)."""
+    short, long = {"prompt": "the king hath spoken"}, {"prompt": " ".join(["the night is cold"] * 200)}
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(p) + "\n" for p in (short, long, short)))
+    out = tmp_path / "run" / "d.jsonl"
+    argv = ["distill", "--model", str(models[0]), "--out", str(out), "--prompts", str(tmp_path / "p.jsonl"),
+            "--device", "cpu", "--dtype", "float32", "--max-new-tokens", "4", "--batch-size", "2"]
+    assert main(argv) == 2
+    _refused(capsys, "1 prompt(s)", "context of 512", "prompt 2 of 3", "--max-new-tokens")
+    assert [p.name for p in out.parent.iterdir() if p.suffix != ".lock"] == []
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(p) + "\n" for p in (short, short)))
+    assert main(argv) == 0
+    assert len(out.read_text().splitlines()) == 2

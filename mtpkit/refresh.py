@@ -56,6 +56,19 @@ def split_prompts(prompts: list[dict], eval_prompts: list[dict] | None, eval_eve
     return train, held
 
 
+def check_held_out_fits(model_dir: Path, held: list[dict], eval_tokens: int) -> None:
+    """The report's prompts checked before any work (distillation checks its own): found at the report, a prompt
+    too long would cost the report after hours of distillation and training."""
+    from .datasets.distill import check_fits
+    from .models.config import config_from_hf
+    from .tokenizer import encode_prompt, load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    config = config_from_hf(json.loads((model_dir / "config.json").read_text()))
+    check_fits([encode_prompt(tok, p["prompt"], p["chat"]) for p in held], eval_tokens, config,
+               what="held-out prompt", fix="shorten or drop them in the held-out prompts")
+
+
 def train_config(model_dir, features, run_dir, *, lengths: list[int], layers: int, depth: int | None, epochs: float,
                  lr: float, batch_size: int, seq_len: int, device: str, seed: int, progress: bool,
                  as_drafted: bool = False, whole_records: bool = False, autocast: str = "fp32") -> dict:
@@ -122,6 +135,7 @@ def refresh(model, prompts, out, *, head_from=None, eval_prompts=None, eval_ever
     train_prompts, held = split_prompts(read_user_prompts(prompts),
                                         read_user_prompts(eval_prompts) if eval_prompts else None, eval_every)
     model = Path(model)
+    check_held_out_fits(model, held, eval_tokens)
     device_type = pick_device(device, setting="--device {}").type
     seconds = {}
     start = time.perf_counter()

@@ -103,6 +103,11 @@ def test_one_line_errors(planted, tmp_path, capsys):
     save_model(mtpkit.add_mtp(build_model(other), depth=1), tmp_path / "other", make_tokenizer(tmp_path))
     _one_line_error(["refresh", "--model", str(planted / "finetuned"), "--head-from", str(tmp_path / "other"),
                      *args[1:]], capsys, "hidden")
+    (tmp_path / "long.txt").write_text(" ".join(["the night is cold"] * 200) + "\n")  # past the context of 512
+    _one_line_error(["refresh", "--model", str(planted / "finetuned"), "--head-from", str(planted / "base"),
+                     "--eval-prompts", str(tmp_path / "long.txt"), *args[1:4], str(tmp_path / "o3"), "--device",
+                     "cpu"], capsys, "1 held-out prompt(s) leave no room for 128 new tokens in the model's context")
+    assert not (tmp_path / "o3").exists()  # refused before any work
 
 
 def test_a_rerun_with_other_prompts_is_refused(planted, tmp_path):

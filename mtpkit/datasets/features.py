@@ -198,6 +198,10 @@ def build_features(model, tokenizer, records, out, *, topk: int = 0, hidden_dtyp
     if batch_tokens < 1 or row_tokens < 1:
         raise ValueError("batch_tokens and row_tokens must be >= 1")
     files, _, docs = read_distilled(records, tokenizer)
+    longest, context = max(len(d) for d, _ in docs), model.config.max_position_embeddings
+    if longest > context:  # positions the trunk was never trained at: features no drafting would see
+        raise DataError(f"a record holds {longest} tokens, beyond the model's context of {context}: cut or drop "
+                        "such records")
     out = Path(out).expanduser()
     check_writer(out, "mtpkit features")  # before the lock file goes into a directory that is not ours
     with writer_lock(out):

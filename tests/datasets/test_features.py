@@ -277,3 +277,8 @@ def test_features_command_builds_resumes_and_reports_bad_input_in_one_line(tiny,
     assert main([*args[:4], str(tmp_path / "missing.jsonl"), *args[5:]]) == 2
     err = capsys.readouterr().err.strip()
     assert "missing.jsonl does not exist" in err and len(err.splitlines()) == 1
+    long = write_records(tmp_path / "long.jsonl", n=2, length=600)  # the tiny model's context: 512
+    assert main([*args[:4], str(long), "--out", str(tmp_path / "f_long")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "600 tokens, beyond the model's context of 512" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "f_long").exists()

@@ -68,6 +68,17 @@ def read_prompts(path) -> list[Prompt]:
     return prompts
 
 
+def check_fits(encoded: list[list[int]], max_new_tokens: int, config, what: str = "prompt",
+               fix: str = "shorten or drop them, or lower --max-new-tokens") -> None:
+    """Refuses prompts that leave no room for max_new_tokens in the model's context, before any is decoded."""
+    context = config.max_position_embeddings
+    over = [i for i, ids in enumerate(encoded) if len(ids) + max_new_tokens > context]
+    if over:
+        raise ValueError(f"{len(over)} {what}(s) leave no room for {max_new_tokens} new tokens in the model's "
+                         f"context of {context} ({what} {over[0] + 1} of {len(encoded)}: {len(encoded[over[0]])} "
+                         f"tokens): {fix}")
+
+
 def encode_prompts(prompts: list[Prompt], tokenizer, model=None, processor=None) -> list[Prompt]:
     """Token ids of every prompt (chat ones through the chat template) and, for image prompts, the inputs from the
     checkpoint's processor."""

@@ -59,8 +59,8 @@ def split_prompts(prompts: list[dict], eval_prompts: list[dict] | None, eval_eve
 def check_held_out_fits(model_dir: Path, held: list[dict], eval_tokens: int) -> None:
     """The report's prompts checked before any work (distillation checks its own): found at the report, a prompt
     too long would cost the report after hours of distillation and training."""
-    from .datasets.distill import check_fits
     from .models.config import config_from_hf
+    from .prompts import check_fits
     from .tokenizer import encode_prompt, load_tokenizer
 
     tok = load_tokenizer(model_dir)

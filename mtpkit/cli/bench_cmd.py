@@ -63,7 +63,7 @@ def run(args) -> int:
     from ..decode.int8 import model_dtype
     from ..loading import load_for_decoding
     from ..models.multimodal import load_processor
-    from ..prompts import encode_prompts, read_prompts
+    from ..prompts import check_fits, encode_prompts, read_prompts
     from ..resources import DEFAULT_PROMPTS, resource
 
     specs = draft_args.grid_from_args(args)
@@ -98,8 +98,11 @@ def run(args) -> int:
     bench = dict(num_tokens=args.num_tokens, specs=specs, temperature=args.temperature,
                  repeats=args.repeats, eos_token_id=tokenizer.eos_token_id, hf_model=hf, baselines=baselines,
                  prompt_lookup=args.prompt_lookup_tokens, step_repeats=args.step_repeats)
-    if args.acceptance_only:
+    if not lengths:
         prompts = encode_prompts(prompts, tokenizer, model, load_processor(path) if vision else None)
+        check_fits([p.ids for p in prompts], args.num_tokens, model.config,
+                   fix="shorten or drop them, or lower --num-tokens")
+    if args.acceptance_only:
         report = run_acceptance(model.eval(), prompts, batch_size=args.batch_size,
                                 **{k: v for k, v in bench.items() if k in ACCEPTANCE_KEYS})
     elif lengths:
@@ -110,7 +113,6 @@ def run(args) -> int:
                   "source": f"{Path(args.context_docs).name if args.context_docs else 'Python reference topics'}, "
                             f"{len(by_length[lengths[-1]])} documents"}
     else:
-        prompts = encode_prompts(prompts, tokenizer, model, load_processor(path) if vision else None)
         report = run_bench(model.eval(), prompts, **bench)
     dtype_name = str(dtype).removeprefix("torch.") + (f", {args.quantize} weights" if args.quantize else "")
     report.update(model=path.name, device=str(model.output_weight.device), dtype=dtype_name, quantize=args.quantize,

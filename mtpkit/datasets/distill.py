@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from ..data.reading import DataError
 from ..manifest import read_manifest
+from ..prompts import check_fits
 from ..tokenizer import encode_prompt
 from .distill_features import HiddenCapture, HiddenShards
 
@@ -142,17 +143,6 @@ def _done_indices(out_path: Path, n: int) -> set[int]:
         with out_path.open("r+b") as f:
             f.truncate(end)
     return done
-
-
-def check_fits(encoded: list[list[int]], max_new_tokens: int, config, what: str = "prompt",
-               fix: str = "shorten or drop them, or lower --max-new-tokens") -> None:
-    """Refuses prompts that leave no room for max_new_tokens in the model's context, before any is decoded."""
-    context = config.max_position_embeddings
-    over = [i for i, ids in enumerate(encoded) if len(ids) + max_new_tokens > context]
-    if over:
-        raise ValueError(f"{len(over)} {what}(s) leave no room for {max_new_tokens} new tokens in the model's "
-                         f"context of {context} ({what} {over[0] + 1} of {len(encoded)}: {len(encoded[over[0]])} "
-                         f"tokens): {fix}")
 
 
 def distill(model, tokenizer, prompts: list[dict], out_path, *, max_new_tokens: int = 128, batch_size: int = 32,

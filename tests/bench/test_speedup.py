@@ -329,3 +329,15 @@ def test_bench_acceptance_only_equals_the_timed_rows_figures(llama_dir, tmp_path
     assert "MTP acceptance (no timing)" in out and "decoded 2 at a time" in out
     assert main([*common, "--acceptance-only", "--baseline", "hf"]) == 2
     assert "--acceptance-only measures no speed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("acceptance_only", [False, True])
+def test_a_prompt_past_the_context_is_refused_before_any_decoding(llama_dir, tmp_path, capsys, acceptance_only):
+    context = json.loads((llama_dir / "config.json").read_text())["max_position_embeddings"]
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("t1 t2 t3\n" + " ".join(f"t{i % 250 + 1}" for i in range(context - 8)) + "\n")
+    args = ["bench", "--model", str(llama_dir), "--prompts", str(prompts), "--num-tokens", "16", "--draft-tokens", "1"]
+    assert main(args + (["--acceptance-only"] if acceptance_only else ["--repeats", "1"])) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"1 prompt(s) leave no room for 16 new tokens in the model's context of {context} (prompt 2 of 2" in err
+    assert "lower --num-tokens" in err and len(err.splitlines()) == 1

@@ -41,6 +41,17 @@ def _baseline_lines(report: dict, best: dict) -> list[str]:
     return lines
 
 
+def _auto_line(runs: list[dict], mark: dict) -> list[str]:
+    """draft="auto" against the best fixed row of the same run, where both ran: what auto promises to match."""
+    auto = [r for r in runs if r.get("auto")]
+    fixed = [r for r in runs if not r.get("auto")]
+    if not auto or not fixed:
+        return []
+    best = max(fixed, key=lambda r: r["spec_tokens_per_s"])
+    return [f"  ▶ draft=auto {auto[0]['speedup']:.2f}×: {auto[0]['spec_tokens_per_s'] / best['spec_tokens_per_s']:.2f} "
+            f"of the best fixed row's tokens/s ({label(best)}, {best['speedup']:.2f}×) · {mark[auto[0]['identical']]}"]
+
+
 def _table(runs: list[dict], mark: dict) -> list[str]:
     gated = any(r.get("draft_min_prob") for r in runs)
     trees = any(r.get("draft_widths") for r in runs)
@@ -105,6 +116,7 @@ def render(report: dict, decode, samples: int = 4) -> str:
         f"  ▶ draft acceptance {best['acceptance_rate']:.0%}  ·  {best['mean_acceptance_length']:.2f} tokens per "
         f"model forward (vs 1.00 baseline)",
     ]
+    lines += _auto_line(runs, mark)
     lines += _baseline_lines(report, best)
     lines += ["", "  Per draft length (break-even: the mean acceptance length at which speculation pays, from timed "
               "step costs;", "  realised: mean len / speedup, what a step cost in plain steps in these runs;",

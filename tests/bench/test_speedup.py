@@ -247,7 +247,10 @@ def test_bench_cli_draft_auto_row(llama_dir, tmp_path, capsys):
     runs = json.loads((tmp_path / "r.json").read_text())["runs"]
     assert [(r["auto"], r["draft_tokens"], r["draft_lookup"]) for r in runs] == [(False, 1, 0), (True, 3, 8)]
     assert all(r["identical"] for r in runs)
-    assert re.search(r"^  auto ", capsys.readouterr().out, re.M)
+    out = capsys.readouterr().out
+    assert re.search(r"^  auto ", out, re.M)
+    ratio = runs[1]["spec_tokens_per_s"] / runs[0]["spec_tokens_per_s"]
+    assert f"▶ draft=auto {runs[1]['speedup']:.2f}×: {ratio:.2f} of the best fixed row's tokens/s (k=1, " in out
 
 
 def test_bench_cli_context_drafts_without_a_head(tmp_path):

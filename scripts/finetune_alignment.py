@@ -34,13 +34,11 @@ write the results (results.json, table.md, alignment.png).
         --extra d_cli=runs/alignment_cpu/refresh_cli/hf --pair d_cli-d
         # `mtpkit refresh`'s own output measured as a row and set against arm d
 
-On the lent GPU machine (no network; one H200 for minutes): the embedded model's GGUF travels in two halves in two
-calls, as scripts/gpu_head.py's docstring says; then, in the second call, `MTPKIT_CACHE=/tmp/mtpkit PYTHONPATH=.
-timeout 480 python3 scripts/finetune_alignment.py --out /tmp/alignment --device cuda --arms a,b01,c,d,b03,e
---deadline-minutes 7 --no-speedup > /tmp/alignment.log 2>&1; cp /tmp/alignment.log /tmp/alignment/{results.json,
-table.md,alignment.png} $OUT/` (the timeout, so that what finished is copied even when a stage overruns; results.json
-is written after every arm). The corpus is built
-there from that machine's installed packages, so its figures are a run of their own, not the CPU run's sets.
+On the lent GPU machine (no network; one GPU for minutes): `bash scripts/gpu_session.sh alignment`, the second of its
+two calls (the embedded model's GGUF travels in two halves), runs this script under a timeout with --deadline-minutes
+and copies results.json, table.md, alignment.png and the log to $OUT (results.json is written after every arm). The
+corpus is built there from that machine's installed packages, so its figures are a run of their own, not the CPU
+run's sets.
 """
 
 from __future__ import annotations

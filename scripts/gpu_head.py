@@ -21,12 +21,9 @@ Every stage stops in time: distillation takes --max-minutes, training is sent SI
 packages' documents: minutes of one CPU core) in the background while the GPU profiles and distils the short ones.
 Figures: OUT/summary.json and OUT/log.txt; the head: OUT/head.safetensors.
 
-On the lent GPU machine (no network; at most 64 MiB travel with a call, the repository ~11 MiB of it) the embedded
-model's 98 MB GGUF travels in two halves, in two calls on the same warm machine: here `split -n 2` it into two
-git-ignored folders, carry the first in a call that copies it to /tmp/mtpkit/, then, while the machine is warm,
-carry the second in the call that joins them into /tmp/mtpkit/SmolLM2-135M-Instruct.Q4_1.gguf and runs
-`MTPKIT_CACHE=/tmp/mtpkit PYTHONPATH=. python3 scripts/gpu_head.py --out /tmp/gpu_head --budget 480`, then copies
-head.safetensors, summary.json and log.txt from /tmp/gpu_head to $OUT.
+On the lent GPU machine (no network; at most 64 MiB travel with a call) the embedded model's 98 MB GGUF travels in two
+halves: `bash scripts/gpu_session.sh head` is the second of the two calls, which runs this job and copies
+head.safetensors, summary.json and log.txt to $OUT.
 """
 
 from __future__ import annotations

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# A lent GPU's minutes (one machine, ~15 minutes in all, no network, at most 64 MiB carried a call, idle for 30 s
+# and it is gone) spent in two back-to-back calls on the same warm machine. The embedded model's 98 MB GGUF is too
+# large for one call, so it travels in two halves, one a call, and each call does an issue's GPU work meanwhile:
+#
+#   bash scripts/gpu_session.sh split        # here, once: the GGUF in halves under the git-ignored .gpu/
+#   bash scripts/gpu_session.sh check        # call 1, carry .gpu/half1 and .whl: keeps half 1 in /tmp/mtpkit, then
+#                                            #   the GPU check (docs/MTP.md "The GPU check"; fla from the wheels)
+#   bash scripts/gpu_session.sh alignment    # call 2, carry .gpu/half2: joins the GGUF, then the fine-tuning
+#                                            #   experiment (scripts/finetune_alignment.py, docs/MTP.md section 5)
+#   bash scripts/gpu_session.sh head         # or, in call 2 instead: the next head (scripts/gpu_head.py)
+#
+# Each stage runs under `timeout` so that what it finished is copied to $OUT (the run tool's output folder) even
+# when it overruns; the budgets below leave ~2 minutes of the 15 for the machine's start. Checked on a CPU with
+# `GPU_SESSION_TINY=1 OUT=/tmp/out bash scripts/gpu_session.sh split|check|alignment|head` (tiny sizes, on the CPU).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STAGE=${1:?"give a stage: split, check, alignment or head"}
+CACHE=${GPU_SESSION_CACHE:-/tmp/mtpkit}
+OUT=${OUT:?"set OUT to the folder whose files come back (the run tool sets it)"}
+GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1  # the logs are complete up to the moment a timeout stops a stage
+if [[ -n "${GPU_SESSION_TINY:-}" ]]; then
+  CHECK=(--device cpu --tiny --budget 60); ALIGN=(--device cpu --size tiny --deadline-minutes 5)
+  HEAD=(--device cpu --tiny)
+else
+  CHECK=(--budget 200); ALIGN=(--device cuda --deadline-minutes 6); HEAD=(--budget 400)
+fi
+
+case "$STAGE" in
+  split)
+    src=$($PY -c "from mtpkit.assets import default_gguf_path; print(default_gguf_path())")
+    rm -rf .gpu/half1 .gpu/half2 && mkdir -p .gpu/half1 .gpu/half2
+    split -n 2 -d "$src" .gpu/part && mv .gpu/part00 .gpu/half1/ && mv .gpu/part01 .gpu/half2/
+    du -sh .gpu/half1 .gpu/half2 ;;
+  check)
+    mkdir -p "$CACHE" && cp .gpu/half1/part00 "$CACHE/"
+    if ls .whl/*.whl > /dev/null 2>&1; then
+      $PY -m pip install -q --no-index --no-deps --target /tmp/fla .whl/*.whl && export PYTHONPATH=/tmp/fla
+    fi
+    export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}.
+    timeout 260 $PY -m mtpkit.bench.gpu_check --out "$OUT/gpu_check" "${CHECK[@]}" > "$OUT/gpu_check.log" 2>&1 ||
+      echo "gpu_check exited $?" >> "$OUT/gpu_check.log"
+    tail -40 "$OUT/gpu_check.log" ;;
+  alignment|head)
+    cat "$CACHE/part00" .gpu/half2/part01 > "$CACHE/$GGUF"
+    size=$($PY -c "from mtpkit.assets import SMOLLM2_GGUF_SIZE; print(SMOLLM2_GGUF_SIZE)")
+    [[ $(stat -c %s "$CACHE/$GGUF") == "$size" ]] || { echo "the joined GGUF is not $size bytes: run check first"; exit 1; }
+    export MTPKIT_CACHE=$CACHE PYTHONPATH=.
+    if [[ $STAGE == alignment ]]; then
+      timeout 420 $PY scripts/finetune_alignment.py --out /tmp/alignment --arms a,b01,c,d,b03,e \
+        --no-speedup "${ALIGN[@]}" > "$OUT/alignment.log" 2>&1 || echo "exited $?" >> "$OUT/alignment.log"
+      cp /tmp/alignment/{results.json,table.md,alignment.png} "$OUT/" 2>/dev/null || true
+      tail -30 "$OUT/alignment.log"
+    else
+      timeout 450 $PY scripts/gpu_head.py --out /tmp/gpu_head "${HEAD[@]}" > "$OUT/gpu_head.log" 2>&1 ||
+        echo "exited $?" >> "$OUT/gpu_head.log"
+      cp /tmp/gpu_head/{head.safetensors,summary.json,log.txt} "$OUT/" 2>/dev/null || true
+      tail -30 "$OUT/gpu_head.log"
+    fi ;;
+  *) echo "unknown stage $STAGE: split, check, alignment or head"; exit 2 ;;
+esac

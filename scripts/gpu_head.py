@@ -15,6 +15,7 @@ command or function, logged to OUT/log.txt; a rerun with the same OUT resumes ev
 
     python scripts/gpu_head.py --out OUT --budget 540                    # on the GPU machine
     python scripts/gpu_head.py --out /tmp/gpu_head_tiny --device cpu --tiny  # a check of the script on CPU
+    python scripts/gpu_head.py --out OUT --device cpu --measure new=HEAD   # the measure stage alone: shipped vs HEAD
 
 Every stage stops in time: distillation takes --max-minutes, training is sent SIGTERM at its share of the budget
 (it checkpoints and stops), and the measurements take what is left. The long prompts are built (reading installed
@@ -206,8 +207,13 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=540, help="seconds for the whole job")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="a few prompts and steps: checks the script")
+    ap.add_argument("--measure", nargs="+", metavar="NAME=HEAD", help="only the measure stage, of the shipped head "
+                    "and these (a head trained elsewhere, e.g. on a CPU), into OUT/summary.json")
+    ap.add_argument("--eval-tokens", type=int, help="new tokens a prompt in the measure stage (default: the size's)")
+    ap.add_argument("--eval-batch", type=int, help="prompts decoded together in the measure stage")
     args = ap.parse_args()
-    size = TINY if args.tiny else FULL
+    size = dict(TINY if args.tiny else FULL)
+    size.update({k: v for k, v in (("eval_tokens", args.eval_tokens), ("eval_batch", args.eval_batch)) if v})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     job = Job(out, args.budget)
@@ -216,6 +222,11 @@ def main() -> int:
     summary["device"] = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     summary["torch"] = torch.__version__
     job.log(f"start: {summary['device']}, budget {args.budget:.0f} s")
+    if args.measure:
+        heads = {"shipped": SHIPPED, **{n: Path(h) for n, _, h in (spec.partition("=") for spec in args.measure)}}
+        summary["acceptance"] = measure(job, heads, args.device, size)
+        summary_path.write_text(json.dumps(summary, indent=1))
+        return 0
 
     budget = args.budget
     short = ["--num-prompts", str(size["short_prompts"]), "--batch-size", str(size["batch"]), "--seed", "41",

@@ -141,11 +141,15 @@ def render(report: dict, decode, samples: int = 4) -> str:
 
 
 def render_contexts(report: dict) -> str:
-    """Plain-text table of the context-length sweep: acceptance (and speed) per context length and row."""
+    """Plain-text table of the context-length sweep: acceptance (and speed, unless it was measured with
+    --acceptance-only: "-") per context length and row."""
     mark = {True: "✓", False: "✗ DIFFERENT", None: "-"}
-    lines = [RULE, f"  MTP acceptance across context lengths — {report['model']}", RULE,
+    timed = "batch_size" not in report["contexts"][0]
+    how = (f"median of {report['repeats']}" if timed
+           else f"acceptance only, batches of {report['contexts'][0]['batch_size']}")
+    lines = [RULE, f"  MTP acceptance across context lengths — {report['model']}, head {report['mtp_head']}", RULE,
              f"  {report['source']} · {report['num_tokens']} new tokens/prompt · {report['dtype']} · "
-             f"{report['device']} ({report['threads']} threads) · median of {report['repeats']}",
+             f"{report['device']} ({report['threads']} threads) · {how}",
              "  each prompt: the same continuation point, left-padded with earlier text of its document", "",
              f"  {'context':>7} {'prompts':>7} {'row':<11} {'accept':>7} {'mean len':>9} {'break-even':>11} "
              f"{'speedup':>8}  per-position acceptance   identical", "  " + "-" * 96]
@@ -153,9 +157,10 @@ def render_contexts(report: dict) -> str:
         for r in c["runs"]:
             pos = " ".join(f"{a:.2f}" for a in r["accepted_per_position"])
             be = "-" if r.get("break_even") is None else f"{r['break_even']:.2f}"
+            speedup = f"{r['speedup']:>7.2f}×" if timed else f"{'-':>8}"
             lines.append(f"  {c['context_tokens']:>7} {r['prompts']:>7} {label(r):<11} {r['acceptance_rate']:>6.0%} "
-                         f"{r['mean_acceptance_length']:>9.2f} {be:>11} {r['speedup']:>7.2f}×  {pos:<24}  "
-                         f"{mark[r['identical']]}")
+                         f"{r['mean_acceptance_length']:>9.2f} {be:>11} {speedup}  {pos:<24}  "
+                         f"{mark[r.get('identical')]}")
     lines.append(RULE)
     return "\n".join(lines)
 

@@ -40,7 +40,8 @@ def add_parser(sub) -> None:
                                                         "activations (the baselines stay unquantised)")
     p.add_argument("--acceptance-only", action="store_true",
                    help="measure acceptance only: each row decodes every prompt once, --batch-size at a time, no "
-                        "plain runs and no timing (to compare heads quickly; mtpkit/bench/acceptance.py)")
+                        "plain runs and no timing (to compare heads quickly, also across --context-lengths; "
+                        "mtpkit/bench/acceptance.py)")
     p.add_argument("--batch-size", type=int, default=16, help="prompts decoded together with --acceptance-only")
     p.add_argument("--out", help="also write the report to this file")
     p.add_argument("--json", help="write the figures as JSON")
@@ -79,8 +80,8 @@ def run(args) -> int:
         raise ValueError("--repeats and --num-tokens must be >= 1, --limit and --step-repeats >= 0")
     if args.prompt_lookup_tokens < 1:
         raise ValueError(f"--prompt-lookup-tokens must be >= 1, not {args.prompt_lookup_tokens}")
-    if args.acceptance_only and (baselines or lengths or args.plot):
-        raise ValueError("--acceptance-only measures no speed: drop --baseline, --context-lengths and --plot")
+    if args.acceptance_only and (baselines or args.plot):
+        raise ValueError("--acceptance-only measures no speed: drop --baseline and --plot")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, not {args.batch_size}")
     dtype = model_dtype(args.dtype, args.quantize)
@@ -102,27 +103,29 @@ def run(args) -> int:
         prompts = encode_prompts(prompts, tokenizer, model, load_processor(path) if vision else None)
         check_fits([p.ids for p in prompts], args.num_tokens, model.config,
                    fix="shorten or drop them, or lower --num-tokens")
-    if args.acceptance_only:
-        report = run_acceptance(model.eval(), prompts, batch_size=args.batch_size,
-                                **{k: v for k, v in bench.items() if k in ACCEPTANCE_KEYS})
-    elif lengths:
+    def measure(prompts):  # the timed benchmark, or the acceptance alone (each row decodes each prompt once)
+        if args.acceptance_only:
+            return run_acceptance(model.eval(), prompts, batch_size=args.batch_size,
+                                  **{k: v for k, v in bench.items() if k in ACCEPTANCE_KEYS})
+        return run_bench(model.eval(), prompts, **bench)
+
+    if lengths:
         docs = read_documents(args.context_docs) if args.context_docs else python_docs()
         by_length = context_prompts(docs, tokenizer, lengths, args.limit)
-        report = {"contexts": [dict(context_tokens=n, **run_bench(model.eval(), by_length[n], **bench))
-                               for n in lengths],
+        report = {"contexts": [dict(context_tokens=n, **measure(by_length[n])) for n in lengths],
                   "source": f"{Path(args.context_docs).name if args.context_docs else 'Python reference topics'}, "
                             f"{len(by_length[lengths[-1]])} documents"}
     else:
-        report = run_bench(model.eval(), prompts, **bench)
+        report = measure(prompts)
     dtype_name = str(dtype).removeprefix("torch.") + (f", {args.quantize} weights" if args.quantize else "")
     report.update(model=path.name, device=str(model.output_weight.device), dtype=dtype_name, quantize=args.quantize,
                   threads=torch.get_num_threads(),
                   num_tokens=args.num_tokens, repeats=args.repeats, temperature=args.temperature,
                   mtp_head=Path(head).name if head else "(checkpoint's own)")  # names only: no local paths
-    if args.acceptance_only:
-        text = render_acceptance(report)
-    elif lengths:
+    if lengths:
         text = render_contexts(report)
+    elif args.acceptance_only:
+        text = render_acceptance(report)
     else:
         text = render(report, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     print(text)

@@ -12,15 +12,22 @@ nothing else reads with a larger share (PROSE_HELD_OUT_SHARE), as the held-out s
 Sources are cut at section titles into documents of a token range; `overlapping` finds held-out documents that
 share a run of words with training text (a README copied into a docstring, a license header, a shared example),
 which the held-out set leaves out.
+
+`python -m mtpkit.datasets.documents OUT --tokens N` writes training-side documents as token records (whole, no
+loss mask) for `mtpkit features --topk`: the trunk's own next-token distributions at every position of long real
+text, a head's training data for long contexts without generating it (generation is what a CPU does slowest).
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import hashlib
 import importlib.metadata
+import json
 import random
 import re
+from pathlib import Path
 
 from .code_corpus import held_out
 
@@ -184,3 +191,41 @@ def headings(text: str) -> list[str]:
               if 3 <= len(a.strip()) <= 60 and re.fullmatch(r"([=\-~^])\1{2,}", b.strip()) and a.strip()[0].isalpha()]
     titles = [re.sub(r"\(.*", "", h).strip("*` :") for h in found]
     return [t for t in titles if 3 <= len(t) <= 60 and t.lower() not in GENERIC_TITLES]
+
+
+def training_records(sources: list[dict], tokenizer, tokens: int, min_tokens: int, max_tokens: int, *,
+                     seed: int = 0) -> list[dict]:
+    """{"input_ids", "path"} of training-side documents of min_tokens..max_tokens tokens (two a source at most, in a
+    seeded order) until `tokens` tokens in all; held-out sources are never read."""
+    train, _ = split_sides(sources)
+    docs = cut_documents(train, tokenizer, min_tokens, max_tokens, seed=seed, per_source=2)
+    random.Random(seed).shuffle(docs)
+    out, total = [], 0
+    for doc in docs:
+        if total >= tokens:
+            break
+        ids = tokenizer(doc["text"])["input_ids"]
+        out.append({"input_ids": ids, "path": doc["path"]})
+        total += len(ids)
+    return out
+
+
+def main(argv=None) -> None:
+    from ..assets import default_gguf_path
+    from ..tokenizer import load_tokenizer
+
+    p = argparse.ArgumentParser(description="training-side documents of the installed packages as token records")
+    p.add_argument("out", type=Path, help="JSONL records file to write")
+    p.add_argument("--tokens", type=int, default=300_000, help="tokens in all (the last document may pass it)")
+    p.add_argument("--min-tokens", type=int, default=1024)
+    p.add_argument("--max-tokens", type=int, default=4000, help="<= the trunk's context and the head's seq_len")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    records = training_records(prose_sources(), load_tokenizer(default_gguf_path()), args.tokens, args.min_tokens,
+                               args.max_tokens, seed=args.seed)
+    args.out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    print(f"{len(records)} documents, {sum(len(r['input_ids']) for r in records)} tokens -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

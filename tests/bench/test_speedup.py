@@ -199,6 +199,27 @@ def test_bench_cli_context_lengths(llama_dir, tmp_path, capsys):
     assert render_contexts(report) in out
 
 
+def test_bench_cli_context_lengths_acceptance_only(llama_dir, tmp_path, capsys):
+    """The sweep without timing (heads compared across context lengths quickly) gives the timed sweep's acceptance."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": " ".join(f"t{(i * n) % 250 + 1}" for i in range(90))}) + "\n"
+                            for n in (3, 7, 11)))
+    common = ["bench", "--model", str(llama_dir), "--context-lengths", "16,64", "--context-docs", str(docs),
+              "--num-tokens", "6", "--draft-tokens", "1,2"]
+    assert main([*common, "--repeats", "1", "--step-repeats", "0", "--json", str(tmp_path / "timed.json")]) == 0
+    capsys.readouterr()
+    assert main([*common, "--acceptance-only", "--batch-size", "1", "--json", str(tmp_path / "a.json")]) == 0
+    timed, quick = (json.loads((tmp_path / f).read_text())["contexts"] for f in ("timed.json", "a.json"))
+    assert [c["context_tokens"] for c in quick] == [16, 64]
+    for t, q in zip(timed, quick):
+        for rt, rq in zip(t["runs"], q["runs"], strict=True):
+            assert rq["prompts"] == 3 and "speedup" not in rq
+            assert rq["mean_acceptance_length"] == rt["mean_acceptance_length"]
+            assert rq["accepted_per_position"] == rt["accepted_per_position"]
+    out = capsys.readouterr().out
+    assert "acceptance only, batches of 1" in out and "docs.jsonl, 3 documents" in out
+
+
 def test_bench_cli_draft_trees(llama_dir, tmp_path, capsys):
     prompts = tmp_path / "p.txt"
     prompts.write_text("t5 t9 t3 t7\nt1 t2\n")

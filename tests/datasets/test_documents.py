@@ -1,9 +1,11 @@
 """Documents from installed packages' prose: sides split by source path, token ranges, copied text found."""
 
+from collections import Counter
+
 from train_runs import make_tokenizer
 
 from mtpkit.datasets.code_corpus import held_out
-from mtpkit.datasets.documents import api_reference, cut_documents, headings, overlapping, split_sides
+from mtpkit.datasets.documents import api_reference, cut_documents, headings, overlapping, split_sides, training_records
 
 _WORDS = ("the parser reads every token of the input and builds a tree that later stages walk to emit code "
           "while errors are reported with the line and column where they were found").split()
@@ -56,3 +58,16 @@ def test_api_reference_and_headings():
     assert api_reference("def broken(:\n") is None
     assert headings("# Install\n\ntext\n\nUsage notes\n-----------\n\n## parse(text)\n\nExamples\n--------\n") == \
         ["Install", "parse", "Usage notes"]
+
+
+def test_training_records_read_only_the_training_side_up_to_the_token_budget(tmp_path):
+    tok = make_tokenizer(tmp_path)
+    sources = [{"path": f"pkg{i}/README.md", "text": _prose(i, 30)} for i in range(40)]
+    train, held = split_sides(sources)
+    records = training_records(sources, tok, tokens=2000, min_tokens=100, max_tokens=400, seed=1)
+    assert records and {r["path"] for r in records} <= {s["path"] for s in train}
+    lengths = [len(r["input_ids"]) for r in records]
+    assert all(100 <= n <= 400 for n in lengths)
+    assert sum(lengths[:-1]) < 2000 <= sum(lengths)  # stops at the first document that reaches the budget
+    assert max(Counter(r["path"] for r in records).values()) <= 2
+    assert records == training_records(sources, tok, tokens=2000, min_tokens=100, max_tokens=400, seed=1)

@@ -221,8 +221,13 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, default=4000, help="<= the trunk's context and the head's seq_len")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.tokens < 1 or not 1 <= args.min_tokens <= args.max_tokens:
+        p.error("give --tokens >= 1 and 1 <= --min-tokens <= --max-tokens")
     records = training_records(prose_sources(), load_tokenizer(default_gguf_path()), args.tokens, args.min_tokens,
                                args.max_tokens, seed=args.seed)
+    if not records:
+        p.error(f"no training-side document of {args.min_tokens}-{args.max_tokens} tokens in the installed packages: "
+                "lower --min-tokens")
     args.out.write_text("".join(json.dumps(r) + "\n" for r in records))
     print(f"{len(records)} documents, {sum(len(r['input_ids']) for r in records)} tokens -> {args.out}")
 

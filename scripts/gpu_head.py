@@ -212,6 +212,9 @@ def main() -> int:
     ap.add_argument("--eval-tokens", type=int, help="new tokens a prompt in the measure stage (default: the size's)")
     ap.add_argument("--eval-batch", type=int, help="prompts decoded together in the measure stage")
     args = ap.parse_args()
+    pairs = [spec.partition("=") for spec in args.measure or ()]
+    if any(not name or not head for name, _, head in pairs):
+        ap.error("--measure takes NAME=HEAD pairs, e.g. new=runs/head.safetensors")
     size = dict(TINY if args.tiny else FULL)
     size.update({k: v for k, v in (("eval_tokens", args.eval_tokens), ("eval_batch", args.eval_batch)) if v})
     out = Path(args.out)
@@ -223,7 +226,7 @@ def main() -> int:
     summary["torch"] = torch.__version__
     job.log(f"start: {summary['device']}, budget {args.budget:.0f} s")
     if args.measure:
-        heads = {"shipped": SHIPPED, **{n: Path(h) for n, _, h in (spec.partition("=") for spec in args.measure)}}
+        heads = {"shipped": SHIPPED, **{name: Path(head) for name, _, head in pairs}}
         summary["acceptance"] = measure(job, heads, args.device, size)
         summary_path.write_text(json.dumps(summary, indent=1))
         return 0

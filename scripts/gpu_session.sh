@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# A lent GPU's minutes (one machine, ~15 minutes in all, no network, at most 64 MiB carried a call, idle for 30 s
-# and it is gone) spent in two back-to-back calls on the same warm machine. The embedded model's 98 MB GGUF is too
-# large for one call, so it travels in two halves, one a call, and each call does an issue's GPU work meanwhile:
+# A short stay on a remote GPU machine reached by commands that each carry at most 64 MiB of files (no network there;
+# ~15 minutes in all, released when idle), spent in two back-to-back commands on the same machine. The embedded
+# model's 98 MB GGUF is too large for one command, so it travels in two halves, and each command does GPU work
+# meanwhile:
 #
 #   bash scripts/gpu_session.sh split        # here, once: the GGUF in halves under the git-ignored .gpu/
 #   bash scripts/gpu_session.sh check        # call 1, carry .gpu/half1 and .whl: keeps half 1 in /tmp/mtpkit, then
@@ -10,7 +11,7 @@
 #                                            #   experiment (scripts/finetune_alignment.py, docs/MTP.md section 5)
 #   bash scripts/gpu_session.sh head         # or, in call 2 instead: the next head (scripts/gpu_head.py)
 #
-# Each stage runs under `timeout` so that what it finished is copied to $OUT (the run tool's output folder) even
+# Each stage runs under `timeout` so that what it finished is copied to $OUT (the folder whose files come back) even
 # when it overruns; the budgets below leave ~2 minutes of the 15 for the machine's start. Checked on a CPU with
 # `GPU_SESSION_TINY=1 OUT=/tmp/out bash scripts/gpu_session.sh split|check|alignment|head` (tiny sizes, on the CPU).
 set -euo pipefail

@@ -4,7 +4,8 @@
 # model's 98 MB GGUF is too large for one command, so it travels in two halves, and each command does GPU work
 # meanwhile:
 #
-#   bash scripts/gpu_session.sh split        # here, once: the GGUF in halves under the git-ignored .gpu/
+#   bash scripts/gpu_session.sh split        # here, once: the GGUF in halves under the git-ignored .gpu/, and
+#                                            #   fla's pure-Python wheels (no network there) under the git-ignored .whl/
 #   bash scripts/gpu_session.sh check        # call 1, carry .gpu/half1 and .whl: keeps half 1 in /tmp/mtpkit, then
 #                                            #   the GPU check (docs/MTP.md "The GPU check"; fla from the wheels)
 #   bash scripts/gpu_session.sh alignment    # call 2, carry .gpu/half2: joins the GGUF, then the fine-tuning
@@ -34,7 +35,8 @@ case "$STAGE" in
     src=$($PY -c "from mtpkit.assets import default_gguf_path; print(default_gguf_path())")
     rm -rf .gpu/half1 .gpu/half2 && mkdir -p .gpu/half1 .gpu/half2
     split -n 2 -d "$src" .gpu/part && mv .gpu/part00 .gpu/half1/ && mv .gpu/part01 .gpu/half2/
-    du -sh .gpu/half1 .gpu/half2 ;;
+    rm -rf .whl && $PY -m pip download -q --no-deps --only-binary=:all: -d .whl "flash-linear-attention>=0.3" fla-core
+    du -sh .gpu/half1 .gpu/half2 .whl ;;
   check)
     mkdir -p "$CACHE" && cp .gpu/half1/part00 "$CACHE/"
     if ls .whl/*.whl > /dev/null 2>&1; then

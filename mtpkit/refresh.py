@@ -69,13 +69,24 @@ def check_held_out_fits(model_dir: Path, held: list[dict], eval_tokens: int) -> 
                what="held-out prompt", fix="shorten or drop them in the held-out prompts")
 
 
+def check_draft_vocab(model_dir: Path, n: int) -> None:
+    """A draft vocabulary larger than the model's refused before distillation, not after it."""
+    from .models.config import config_from_hf
+
+    vocab_size = config_from_hf(json.loads((model_dir / "config.json").read_text())).vocab_size
+    if not 0 <= n <= vocab_size:
+        raise ValueError(f"--draft-vocab {n} must lie in 0..{vocab_size} (the model's vocabulary; 0: all of it)")
+
+
 def train_config(model_dir, features, run_dir, *, lengths: list[int], layers: int, depth: int | None, epochs: float,
                  lr: float, batch_size: int, seq_len: int, device: str, seed: int, progress: bool,
-                 as_drafted: bool = False, whole_records: bool = False, autocast: str = "fp32") -> dict:
+                 as_drafted: bool = False, whole_records: bool = False, autocast: str = "fp32",
+                 draft_vocab: int = 0) -> dict:
     """The MTP-only training of the head from the features of records of `lengths` tokens: `epochs` passes over
     their packed rows, cosine schedule (`as_drafted`: chained depths attend as a draft chain reads the cache,
     `[mtp] as_drafted`; `whole_records`: rows of whole records, seq_len raised to the longest; `autocast`:
-    train.autocast)."""
+    train.autocast; `draft_vocab`: the head's CE over that many of the records' most frequent ids, the ids it then
+    drafts from, `[mtp] draft_vocab`)."""
     depth = depth or (3 if layers == 1 else layers)
     if whole_records:
         seq_len = max(seq_len, *lengths)
@@ -87,7 +98,7 @@ def train_config(model_dir, features, run_dir, *, lengths: list[int], layers: in
     return {
         "model": {"path": str(model_dir)},
         "mtp": {"depth": depth, "layers": layers, "init": "checkpoint", "only": True, "as_drafted": as_drafted,
-                "weights": FASTMTP_WEIGHTS if depth == 3 else [1.0 / depth] * depth},
+                "draft_vocab": draft_vocab, "weights": FASTMTP_WEIGHTS if depth == 3 else [1.0 / depth] * depth},
         "data": {"mode": "features", "features": str(features), "seq_len": seq_len, "whole_documents": whole_records},
         "train": {"run_dir": str(run_dir), "steps": steps, "batch_size": batch_size, "device": device,
                   "seed": seed, "autocast": autocast},
@@ -120,7 +131,7 @@ def refresh(model, prompts, out, *, head_from=None, eval_prompts=None, eval_ever
             max_new_tokens: int = 128, batch_size: int = 64, device: str = "auto", dtype: str = "auto",
             depth: int | None = None, epochs: float = 2.0, lr: float = 1e-3, train_batch_size: int = 16,
             seq_len: int = 1024, seed: int = 0, ks=(1, 2, 3), eval_tokens: int = 128, progress: bool = True,
-            as_drafted: bool = False, whole_records: bool = False) -> dict:
+            as_drafted: bool = False, whole_records: bool = False, draft_vocab: int = 0) -> dict:
     """Refresh the MTP head of the HF directory `model` (with --head-from's head grafted in first when given) on
     the model's own continuations of `prompts` (a prompts file, `datasets.distill.read_user_prompts`); write OUT as
     the module docstring says and return the report."""
@@ -136,6 +147,7 @@ def refresh(model, prompts, out, *, head_from=None, eval_prompts=None, eval_ever
                                         read_user_prompts(eval_prompts) if eval_prompts else None, eval_every)
     model = Path(model)
     check_held_out_fits(model, held, eval_tokens)
+    check_draft_vocab(model, draft_vocab)
     device_type = pick_device(device, setting="--device {}").type
     seconds = {}
     start = time.perf_counter()
@@ -166,7 +178,8 @@ def refresh(model, prompts, out, *, head_from=None, eval_prompts=None, eval_ever
     cfg = config_from_dict(train_config(model_dir, features, out / "train", lengths=lengths, layers=layers,
                                         depth=depth, epochs=epochs, lr=lr, batch_size=train_batch_size,
                                         seq_len=seq_len, device=device_type, seed=seed, progress=progress,
-                                        as_drafted=as_drafted, whole_records=whole_records, autocast=autocast))
+                                        as_drafted=as_drafted, whole_records=whole_records, autocast=autocast,
+                                        draft_vocab=draft_vocab))
     refreshed = out / "hf"
     if not refreshed.exists():
         train(cfg)

@@ -121,6 +121,7 @@ def prepare(out: Path, corpus: Path, tok, size: dict) -> dict:
     base = out / "base"
     if not base.exists():
         model, tokenizer, _, _ = load_for_decoding()  # the embedded SmolLM2 with the shipped head
+        model.drafter.draft_vocab = None  # every arm's head drafts and trains over the full vocabulary
         save_model(model, base, tokenizer)
     if not (corpus / "manifest.json").exists():
         build_code_corpus(corpus, tok, train_tokens=int(size["train_tokens"] * 1.05))

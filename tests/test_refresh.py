@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -159,3 +160,22 @@ def test_the_head_trains_in_the_dtype_distillation_ran_in(planted, tmp_path, dty
     refresh(planted / "finetuned", planted / "prompts.txt", tmp_path / "out", head_from=planted / "base", epochs=1,
             **small)
     assert load_config(tmp_path / "out" / "train" / "config.toml").train.autocast == autocast
+
+
+def test_draft_vocab_trains_and_drafts_over_the_most_frequent_distilled_ids(planted, tmp_path):
+    small = {**SMALL, "max_new_tokens": 8, "ks": (1,), "eval_tokens": 8}
+    out = tmp_path / "out"
+    refresh(planted / "finetuned", planted / "prompts.txt", out, head_from=planted / "base", epochs=1,
+            draft_vocab=12, **small)
+    model = mtpkit.load_model(out / "hf").eval()
+    records = [json.loads(line) for line in (out / "distill.jsonl").read_text().splitlines()]
+    counts = Counter(t for r in records for t, m in zip(r["input_ids"], r["loss_mask"]) if m)  # the completions
+    most = sorted(counts, key=lambda t: (-counts[t], t))[:12]  # ties to the lower id
+    assert model.drafter.draft_vocab.tolist() == sorted(most)
+    rows = [[5, 17, 33, 8], [9, 2]]
+    plain = mtpkit.generate(model, rows, max_new_tokens=16).tokens
+    assert mtpkit.generate(model, rows, max_new_tokens=16, draft_tokens=2).tokens == plain
+    with pytest.raises(ValueError, match="--draft-vocab 100000 must lie in 0.."):
+        refresh(planted / "finetuned", planted / "prompts.txt", tmp_path / "big", head_from=planted / "base",
+                draft_vocab=100_000, **small)
+    assert not (tmp_path / "big" / "distill.jsonl").exists()

@@ -30,8 +30,9 @@ from safetensors.torch import load_file, save_file
 from ..models.config import ConfigError, config_from_hf, text_config_dict
 from ..models.mtp import is_mtp_param
 from ..models.transformer import CausalLM, CheckpointInfo
-from .hf import CheckpointError, _SafetensorsDir, checkpoint_state_dict
-from .mtp_head import TRUNK, trunk_difference, trunk_identity
+from .hf import DRAFT_VOCAB_FILE, CheckpointError, _SafetensorsDir, checkpoint_state_dict, read_draft_vocab, \
+    write_draft_vocab
+from .mtp_head import DRAFT_VOCAB, TRUNK, trunk_difference, trunk_identity
 from .safe_write import write_dir
 
 HEAD_FILE = "mtp.safetensors"
@@ -51,6 +52,7 @@ class Head:
     config: dict  # mtp_num_hidden_layers, num_nextn_predict_layers, other mtp_* keys
     model_type: str | None  # the text model_type of an HF directory; None for a head file
     trunk: dict  # what is known of the trunk it was trained on (mtp_head.trunk_identity; a head file: less)
+    draft_vocab: torch.Tensor | None = None  # the ids it drafts from, when it was trained over a draft vocabulary
 
 
 def _config(path: Path) -> dict:
@@ -73,6 +75,7 @@ def read_head(path) -> Head:
             tensors = load_file(str(path))
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{path} is not a readable safetensors file ({e})") from None
+        vocab = tensors.pop(DRAFT_VOCAB, None)
         if not tensors or not all(is_mtp_param(n) for n in tensors):
             raise CheckpointError(f"{path} is not an MTP head file (only mtp.* tensors, as `mtpkit export --mtp-only` "
                                   "writes): pass it or the HF directory of the model the head comes from")
@@ -82,16 +85,20 @@ def read_head(path) -> Head:
         fc = tensors.get("mtp.fc.weight")
         if fc is not None:
             trunk["hidden size"] = fc.shape[0]
-        return Head(tensors, {"mtp_num_hidden_layers": _depth(tensors)}, None, trunk)
+        if vocab is not None and (vocab.dim() != 1 or not vocab.numel() or vocab.is_floating_point()
+                                  or int(vocab.min()) < 0):
+            raise CheckpointError(f"{path}: its {DRAFT_VOCAB} is not a list of token ids: the file is corrupt")
+        return Head(tensors, {"mtp_num_hidden_layers": _depth(tensors)}, None, trunk, vocab)
     raw = _config(path)
     text, _ = text_config_dict(raw)
     try:
-        trunk = trunk_identity(config_from_hf(raw))
+        config = config_from_hf(raw)
     except ConfigError as e:
         raise CheckpointError(f"{path}: {e}") from None
     source = _SafetensorsDir(path)
     names, keys = _hf_head(path, source, text)
-    return Head({n: source.get(n) for n in names}, keys, text.get("model_type"), trunk)
+    return Head({n: source.get(n) for n in names}, keys, text.get("model_type"), trunk_identity(config),
+                read_draft_vocab(path, config.vocab_size))
 
 
 def head_keys(path) -> dict:
@@ -152,6 +159,9 @@ def check_fit(head: Head, raw: dict, base, target) -> None:
         what, theirs, ours = differs
         raise CheckpointError(f"{base} has {what} {theirs} but {target} has {ours}: the head was trained on another "
                               "model's trunk; graft a head of this model")
+    if head.draft_vocab is not None and int(head.draft_vocab.max()) >= config.vocab_size:
+        raise CheckpointError(f"{base} drafts from token ids up to {int(head.draft_vocab.max())} but {target} has "
+                              f"{config.vocab_size}: the head was trained for another vocabulary")
     if config.mtp_num_hidden_layers < 1:
         raise CheckpointError(f"{base}'s config.json sets mtp_num_hidden_layers = 0 but it holds mtp.* tensors: set "
                               "it to the number of MTP layers")
@@ -213,10 +223,11 @@ def _copy_weights(source: _SafetensorsDir, tmp: Path) -> dict[str, str]:
     return weight_map
 
 
-def write_head(out: Path, tensors: dict[str, torch.Tensor], weight_map: dict[str, str], raw: dict, keys: dict) -> None:
+def write_head(out: Path, tensors: dict[str, torch.Tensor], weight_map: dict[str, str], raw: dict, keys: dict,
+               draft_vocab: torch.Tensor | None = None) -> None:
     """Into the model directory `out`, beside the shards of `weight_map` (tensor name -> file name): the head's
-    `mtp.*` tensors as HEAD_FILE, the index listing every tensor, and config.json `raw` with the head's MTP keys
-    where vLLM and SGLang read them."""
+    `mtp.*` tensors as HEAD_FILE, the index listing every tensor, config.json `raw` with the head's MTP keys
+    where vLLM and SGLang read them, and the head's draft vocabulary (DRAFT_VOCAB_FILE) when it has one."""
     keys = dict(keys)
     if text_config_dict(raw)[0].get("model_type") == "qwen3_next":  # the key vLLM and SGLang read for it
         keys.setdefault("num_nextn_predict_layers", keys.get("mtp_num_hidden_layers"))
@@ -226,6 +237,9 @@ def write_head(out: Path, tensors: dict[str, torch.Tensor], weight_map: dict[str
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(_with_keys(raw, keys), indent=2) + "\n")
+    (out / DRAFT_VOCAB_FILE).unlink(missing_ok=True)  # another head's, when writing over a saved directory
+    if draft_vocab is not None:
+        write_draft_vocab(out, draft_vocab)
 
 
 def graft(base, finetuned, out, *, overwrite: bool = False) -> Head:
@@ -240,9 +254,10 @@ def graft(base, finetuned, out, *, overwrite: bool = False) -> Head:
     check_fit(head, raw, base, finetuned)
 
     def fill(tmp: Path) -> None:
-        write_head(tmp, head.tensors, _copy_weights(source, tmp), raw, head.config)
-        for f in finetuned.iterdir():  # tokenizer, generation config, chat template; not subdirectories
-            if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", INDEX):
+        write_head(tmp, head.tensors, _copy_weights(source, tmp), raw, head.config, head.draft_vocab)
+        for f in finetuned.iterdir():  # tokenizer, generation config, chat template; not subdirectories or the old
+            # head's draft vocabulary
+            if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", INDEX, DRAFT_VOCAB_FILE):
                 shutil.copyfile(f, tmp / f.name)
 
     write_dir(out, fill, overwrite=overwrite)

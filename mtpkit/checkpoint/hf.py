@@ -32,6 +32,10 @@ _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weig
 _FUSED_EXPERT = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 # Released Qwen3-VL-MoE checkpoints (and vLLM) store fused experts transposed: gate_up_proj [E, H, 2I],
 # down_proj [E, I, H]; HF's save_pretrained writes mtpkit's [E, 2I, H] / [E, H, I]. Both load.
+# beside a checkpoint (or a training run): the token ids its MTP head drafts from (FR-Spec), as a JSON list. mtpkit
+# reads it; vLLM and SGLang ignore the file and draft over the whole vocabulary. A file, not an `mtp.*` tensor: a
+# serving engine's loader would refuse an `mtp.*` name that is no parameter.
+DRAFT_VOCAB_FILE = "draft_vocab.json"
 _TRANSPOSED_EXPERTS = {"qwen3_vl_moe_text"}
 
 
@@ -349,7 +353,35 @@ def load_model(
             "images",
             len(passthrough),
         )
+    if model.drafter is not None and path.is_dir():
+        model.drafter.draft_vocab = read_draft_vocab(path, config.vocab_size)
     return model
+
+
+def write_draft_vocab(directory, vocab: torch.Tensor) -> Path:
+    path = Path(directory) / DRAFT_VOCAB_FILE
+    path.write_text(json.dumps(vocab.tolist()) + "\n")
+    return path
+
+
+def read_draft_vocab(directory, vocab_size: int) -> torch.Tensor | None:
+    """The draft vocabulary stored in `directory` (None: the head drafts over the whole vocabulary); a one-line
+    error for a file that is not a list of distinct token ids in [0, vocab_size)."""
+    path = Path(directory) / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return None
+    bad = CheckpointError(f"{path} is not a list of distinct token ids in [0, {vocab_size}): the head was trained "
+                          f"for another vocabulary, or the file is corrupt (delete it to draft over every id)")
+    if path.stat().st_size > 12 * vocab_size + 64:  # checked before reading: an id takes <= 12 bytes of JSON
+        raise bad
+    try:
+        ids = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise bad from None
+    if (not isinstance(ids, list) or not ids or any(type(i) is not int or not 0 <= i < vocab_size for i in ids)
+            or len(set(ids)) != len(ids)):
+        raise bad
+    return torch.tensor(sorted(ids), dtype=torch.long)
 
 
 def group_experts(names) -> dict[str, dict[int, dict[str, str]]]:
@@ -465,5 +497,7 @@ def _write_checkpoint(model: CausalLM, out: Path, tokenizer, max_shard_bytes: in
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    if model.drafter is not None and model.drafter.draft_vocab is not None:
+        write_draft_vocab(out, model.drafter.draft_vocab)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..checkpoint.hf import CheckpointError, _SafetensorsDir, fuse_experts, group_experts
+from ..checkpoint.hf import CheckpointError, _SafetensorsDir, fuse_experts, group_experts, read_draft_vocab
 from ..checkpoint.mtp_head import DRAFT_VOCAB
 from ..models.config import ModelConfig, config_from_hf
 from ..models.init import init_weights
@@ -20,11 +20,12 @@ def trunk_config(hf_model) -> ModelConfig:
     return config_from_hf(hf_model.config.to_dict())
 
 
-def _read(path: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-    """The `mtp.*` tensors (and a head file's draft vocabulary) of an HF model directory or an mtpkit head file."""
+def _read(path: Path, vocab_size: int) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """The `mtp.*` tensors and the draft vocabulary (when the head has one) of an HF model directory or an mtpkit
+    head file."""
     if path.is_dir():
         source = _SafetensorsDir(path)
-        return {n: source.get(n) for n in source.names() if is_mtp_param(n)}, None
+        return {n: source.get(n) for n in source.names() if is_mtp_param(n)}, read_draft_vocab(path, vocab_size)
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist: pass an HF model directory or an mtpkit head file")
     try:
@@ -39,7 +40,7 @@ def load_head(path, config: ModelConfig) -> MTP:
     """The sequential MTP stored at `path` (an HF directory with `mtp.*`, e.g. a Qwen3.5 release, or a head file),
     its depth as stored, built for a trunk of `config`, in float32 on the CPU."""
     path = Path(path)
-    tensors, vocab = _read(path)
+    tensors, vocab = _read(path, config.vocab_size)
     if any(n.startswith("mtp_heads.") for n in tensors):
         raise CheckpointError(f"{path} holds parallel heads (mtp_heads.*): train them with mtpkit's own trainer")
     if not any(n.startswith("mtp.layers.") for n in tensors):

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..checkpoint.graft import HEAD_FILE, INDEX, write_head
 from ..checkpoint.hf import _PER_EXPERT, _SafetensorsDir, checkpoint_state_dict
+from ..checkpoint.mtp_head import DRAFT_VOCAB
 from ..models.mtp import is_mtp_param
 from ..models.transformer import CheckpointInfo
 
@@ -43,13 +44,15 @@ def save_with_head(model, save_directory, **kwargs) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     _drop_old_head(out)
     model.model.save_pretrained(str(out), **kwargs)
+    vocab = model.head.draft_vocab
     if model.model is not model.hf_model:  # an adapter directory: no model weights or config.json to join
-        save_file(head_state(model), str(out / HEAD_FILE), metadata={"format": "pt",
-                                                                      "mtp_num_hidden_layers": str(len(model.head.layers))})
+        tensors = head_state(model) | ({} if vocab is None else {DRAFT_VOCAB: vocab.to("cpu", torch.long)})
+        save_file(tensors, str(out / HEAD_FILE), metadata={"format": "pt",
+                                                            "mtp_num_hidden_layers": str(len(model.head.layers))})
         return out
     source = _SafetensorsDir(out)
     weight_map = {n: f.name for n, f in source.files.items() if not is_mtp_param(n)}
     tensors = head_state(model, per_expert=any(_PER_EXPERT.match(n) for n in weight_map))
     raw = json.loads((out / "config.json").read_text())
-    write_head(out, tensors, weight_map, raw, {"mtp_num_hidden_layers": len(model.head.layers)})
+    write_head(out, tensors, weight_map, raw, {"mtp_num_hidden_layers": len(model.head.layers)}, vocab)
     return out

@@ -2,18 +2,14 @@
 Language Models via Frequency-Ranked Speculative Sampling"): the head's CE runs over the N most frequent target
 ids of the training data, and the same ids are what it drafts from, so its lm_head costs N/V of the full one.
 
-The trainer writes the ids to run_dir/draft_vocab.json; `mtpkit export --mtp-only` puts them in the head file.
+The trainer writes the ids to run_dir/draft_vocab.json (checkpoint.hf.write_draft_vocab); `mtpkit export` puts them
+in the head file (`--mtp-only`) or beside the exported checkpoint.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import torch
-
-RUN_FILE = "draft_vocab.json"
 
 
 def draft_vocabulary(target_ids, n: int, vocab_size: int) -> torch.Tensor:
@@ -22,15 +18,3 @@ def draft_vocabulary(target_ids, n: int, vocab_size: int) -> torch.Tensor:
         raise ValueError(f"mtp.draft_vocab = {n} must lie in 1..vocab_size ({vocab_size}); 0 turns it off")
     counts = np.bincount(np.asarray(target_ids, dtype=np.int64), minlength=vocab_size)
     return torch.from_numpy(np.sort(np.argsort(-counts, kind="stable")[:n]))
-
-
-def write_run_draft_vocab(run_dir, vocab: torch.Tensor) -> Path:
-    path = Path(run_dir) / RUN_FILE
-    path.write_text(json.dumps(vocab.tolist()) + "\n")
-    return path
-
-
-def read_run_draft_vocab(run_dir) -> torch.Tensor | None:
-    """The draft vocabulary a run trained with, or None (full vocabulary)."""
-    path = Path(run_dir) / RUN_FILE
-    return torch.tensor(json.loads(path.read_text()), dtype=torch.long) if path.exists() else None

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.hf import build_model, save_model
+from ..checkpoint.hf import build_model, read_draft_vocab, save_model
 from ..checkpoint.mtp_head import save_mtp_head
 from ..checkpoint.safe_write import check_target
 from ..tokenizer import load_tokenizer
 from .config import load_config
-from .draft_vocab import read_run_draft_vocab
 from .model_setup import build_train_model
 from .state import load_model_weights, resolve_checkpoint
 
@@ -41,8 +40,9 @@ def export(run_or_ckpt, out_dir, dtype: torch.dtype | None = None, mtp_only: boo
     else:
         model = build_model(json.loads(raw_path.read_text()), vision=cfg.data.images)
     load_model_weights(ckpt, model)
+    if model.drafter is not None:  # trained with mtp.draft_vocab: it drafts over those ids, saved with the head
+        model.drafter.draft_vocab = read_draft_vocab(run_dir, model.config.vocab_size)
     if mtp_only:
-        model.drafter.draft_vocab = read_run_draft_vocab(run_dir)  # trained with mtp.draft_vocab: it drafts over those
         return save_mtp_head(model, out_dir, dtype, overwrite=overwrite)
     if dtype is not None:
         model = model.to(dtype)

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..checkpoint.hf import hf_config_dict
+from ..checkpoint.hf import hf_config_dict, write_draft_vocab
 from ..data.build import build_data
 from ..data.images import batch_rows
 from ..data.packing import DataLoader
@@ -39,7 +39,7 @@ from ..parallel.apply import parallelize
 from ..parallel.distributed import all_reduce_sum, barrier, init_distributed, shutdown
 from ..tokenizer import load_tokenizer
 from .config import TrainConfig, to_toml
-from .draft_vocab import draft_vocabulary, write_run_draft_vocab
+from .draft_vocab import draft_vocabulary
 from .flops import flops_per_token, peak_flops
 from .loss import freeze_trunk, loss_targets, shift_labels, tau_sim
 from .model_setup import build_train_model, tokenizer_path
@@ -181,8 +181,8 @@ class Trainer:
             if self.processor is not None:  # so the exported model takes images
                 self.processor.image_processor.save_pretrained(str(self.run_dir / "tokenizer"))
             vocab = self.model.drafter.draft_vocab if self.model.drafter is not None else None
-            if vocab is not None:  # `mtpkit export --mtp-only` puts it in the head file
-                write_run_draft_vocab(self.run_dir, vocab)
+            if vocab is not None:  # `mtpkit export` puts it in the head file or beside the checkpoint
+                write_draft_vocab(self.run_dir, vocab)
         barrier(self.dist)
 
     def _maybe_resume(self) -> None:

@@ -60,6 +60,11 @@ def test_head_file_with_draft_vocab(tmp_path):
         full = model(input_ids=ids, labels=ids).head_ce[1]
         model.head.draft_vocab = None
         assert model(input_ids=ids, labels=ids).head_ce[1] != full
+    model.head.draft_vocab = own.mtp.draft_vocab  # saved beside the checkpoint, read back by transformers + mtpkit
+    model.save_pretrained(tmp_path / "saved")
+    assert torch.equal(mtpkit.load_model(tmp_path / "saved").mtp.draft_vocab, own.mtp.draft_vocab)
+    again = with_mtp(tf.AutoModelForCausalLM.from_pretrained(tmp_path / "saved"))
+    assert torch.equal(again.head.draft_vocab, own.mtp.draft_vocab)
 
 
 @pytest.mark.parametrize("init", ["random", "last_layer"])

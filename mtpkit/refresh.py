@@ -75,7 +75,7 @@ def check_draft_vocab(model_dir: Path, n: int) -> None:
 
     vocab_size = config_from_hf(json.loads((model_dir / "config.json").read_text())).vocab_size
     if not 0 <= n <= vocab_size:
-        raise ValueError(f"--draft-vocab {n} must lie in 0..{vocab_size} (the model's vocabulary; 0: all of it)")
+        raise ValueError(f"--draft-vocab {n} must lie in 0..{vocab_size} (the model's vocabulary; 0: the head's own)")
 
 
 def train_config(model_dir, features, run_dir, *, lengths: list[int], layers: int, depth: int | None, epochs: float,

@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="train the head's CE over the N most frequent ids of the distilled tokens, which it then "
                         "drafts from (FR-Spec; [mtp] draft_vocab): head training several times faster on a large "
-                        "vocabulary; 0: the full vocabulary")
+                        "vocabulary; 0: the head's own draft vocabulary, the full one when it has none")
 
 
 def run(args) -> int:
@@ -46,7 +46,7 @@ def run(args) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.draft_vocab < 0:
-        raise ValueError(f"--draft-vocab must be >= 0 (0: the full vocabulary), not {args.draft_vocab}")
+        raise ValueError(f"--draft-vocab must be >= 0 (0: the head's own vocabulary), not {args.draft_vocab}")
     if args.epochs <= 0:
         raise ValueError(f"--epochs must be > 0, not {args.epochs}")
     report = refresh(args.model, args.prompts, args.out, head_from=args.head_from, eval_prompts=args.eval_prompts,

@@ -23,7 +23,9 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 
-_WEIGHT_GLOBS = ("*.safetensors", "model.safetensors.index.json")
+# what belongs to the weights: not carried over from the directory a save replaces (draft_vocab.json: an old head's
+# draft vocabulary, checkpoint/hf.py)
+_WEIGHT_GLOBS = ("*.safetensors", "model.safetensors.index.json", "draft_vocab.json")
 
 
 def fsync(path: Path) -> None:

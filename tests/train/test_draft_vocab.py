@@ -91,6 +91,8 @@ def test_an_hf_checkpoint_keeps_its_heads_draft_vocabulary(tmp_path):
     save_model(model, tmp_path / "without")
     assert not (tmp_path / "without" / DRAFT_VOCAB_FILE).exists()
     assert load_model(tmp_path / "without").mtp.draft_vocab is None
+    save_model(model, tmp_path / "with", overwrite=True)  # the old head's vocabulary goes with its weights
+    assert load_model(tmp_path / "with").mtp.draft_vocab is None
 
 
 @pytest.mark.parametrize("text", ["[3, 320]", "[]", "[3, 3]", "[1.5]", "{\"ids\": [3]}", "[3,", "[true]"])

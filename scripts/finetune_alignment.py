@@ -582,7 +582,7 @@ def main() -> int:
     text = render(table)
     extras = []
     for arm in [arm for arm in ARMS if arm != "a"]:
-        if any(k.startswith(arm + "/") for k in results):
+        if any(k.startswith(arm + "/") for k in results) and any(k.startswith("a/") for k in results):
             d, se = paired_vs(results, arm, "a")
             extras.append(f"- domain k=1, {arm} - a: {d:+.3f} ± {se:.3f} (paired over prompts and seeds)")
     for pair in args.pair:

@@ -30,12 +30,12 @@ _VLM_PREFIX = "model.language_model."
 _PASSTHROUGH = re.compile(r"^(model\.visual\.|visual\.)")
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _FUSED_EXPERT = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
-# Released Qwen3-VL-MoE checkpoints (and vLLM) store fused experts transposed: gate_up_proj [E, H, 2I],
-# down_proj [E, I, H]; HF's save_pretrained writes mtpkit's [E, 2I, H] / [E, H, I]. Both load.
 # beside a checkpoint (or a training run): the token ids its MTP head drafts from (FR-Spec), as a JSON list. mtpkit
 # reads it; vLLM and SGLang ignore the file and draft over the whole vocabulary. A file, not an `mtp.*` tensor: a
 # serving engine's loader would refuse an `mtp.*` name that is no parameter.
 DRAFT_VOCAB_FILE = "draft_vocab.json"
+# Released Qwen3-VL-MoE checkpoints (and vLLM) store fused experts transposed: gate_up_proj [E, H, 2I],
+# down_proj [E, I, H]; HF's save_pretrained writes mtpkit's [E, 2I, H] / [E, H, I]. Both load.
 _TRANSPOSED_EXPERTS = {"qwen3_vl_moe_text"}
 
 

@@ -56,24 +56,19 @@ def split_prompts(prompts: list[dict], eval_prompts: list[dict] | None, eval_eve
     return train, held
 
 
-def check_held_out_fits(model_dir: Path, held: list[dict], eval_tokens: int) -> None:
+def check_held_out_fits(model_dir: Path, config, held: list[dict], eval_tokens: int) -> None:
     """The report's prompts checked before any work (distillation checks its own): found at the report, a prompt
     too long would cost the report after hours of distillation and training."""
-    from .models.config import config_from_hf
     from .prompts import check_fits
     from .tokenizer import encode_prompt, load_tokenizer
 
     tok = load_tokenizer(model_dir)
-    config = config_from_hf(json.loads((model_dir / "config.json").read_text()))
     check_fits([encode_prompt(tok, p["prompt"], p["chat"]) for p in held], eval_tokens, config,
                what="held-out prompt", fix="shorten or drop them in the held-out prompts")
 
 
-def check_draft_vocab(model_dir: Path, n: int) -> None:
+def check_draft_vocab(vocab_size: int, n: int) -> None:
     """A draft vocabulary larger than the model's refused before distillation, not after it."""
-    from .models.config import config_from_hf
-
-    vocab_size = config_from_hf(json.loads((model_dir / "config.json").read_text())).vocab_size
     if not 0 <= n <= vocab_size:
         raise ValueError(f"--draft-vocab {n} must lie in 0..{vocab_size} (the model's vocabulary; 0: the head's own)")
 
@@ -137,6 +132,7 @@ def refresh(model, prompts, out, *, head_from=None, eval_prompts=None, eval_ever
     the module docstring says and return the report."""
     from .datasets.distill import distill_model, manifest_path, read_user_prompts
     from .manifest import read_manifest
+    from .models.config import config_from_hf
     from .parallel.distributed import pick_device
     from .train.config import config_from_dict
     from .train.export import export
@@ -146,8 +142,9 @@ def refresh(model, prompts, out, *, head_from=None, eval_prompts=None, eval_ever
     train_prompts, held = split_prompts(read_user_prompts(prompts),
                                         read_user_prompts(eval_prompts) if eval_prompts else None, eval_every)
     model = Path(model)
-    check_held_out_fits(model, held, eval_tokens)
-    check_draft_vocab(model, draft_vocab)
+    config = config_from_hf(json.loads((model / "config.json").read_text()))
+    check_held_out_fits(model, config, held, eval_tokens)
+    check_draft_vocab(config.vocab_size, draft_vocab)
     device_type = pick_device(device, setting="--device {}").type
     seconds = {}
     start = time.perf_counter()

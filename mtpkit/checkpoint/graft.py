@@ -32,7 +32,7 @@ from ..models.mtp import is_mtp_param
 from ..models.transformer import CausalLM, CheckpointInfo
 from .hf import DRAFT_VOCAB_FILE, CheckpointError, _SafetensorsDir, checkpoint_state_dict, read_draft_vocab, \
     write_draft_vocab
-from .mtp_head import DRAFT_VOCAB, TRUNK, trunk_difference, trunk_identity
+from .mtp_head import DRAFT_VOCAB, TRUNK, check_draft_vocab, trunk_difference, trunk_identity
 from .safe_write import write_dir
 
 HEAD_FILE = "mtp.safetensors"
@@ -85,9 +85,6 @@ def read_head(path) -> Head:
         fc = tensors.get("mtp.fc.weight")
         if fc is not None:
             trunk["hidden size"] = fc.shape[0]
-        if vocab is not None and (vocab.dim() != 1 or not vocab.numel() or vocab.is_floating_point()
-                                  or int(vocab.min()) < 0):
-            raise CheckpointError(f"{path}: its {DRAFT_VOCAB} is not a list of token ids: the file is corrupt")
         return Head(tensors, {"mtp_num_hidden_layers": _depth(tensors)}, None, trunk, vocab)
     raw = _config(path)
     text, _ = text_config_dict(raw)
@@ -159,9 +156,7 @@ def check_fit(head: Head, raw: dict, base, target) -> None:
         what, theirs, ours = differs
         raise CheckpointError(f"{base} has {what} {theirs} but {target} has {ours}: the head was trained on another "
                               "model's trunk; graft a head of this model")
-    if head.draft_vocab is not None and int(head.draft_vocab.max()) >= config.vocab_size:
-        raise CheckpointError(f"{base} drafts from token ids up to {int(head.draft_vocab.max())} but {target} has "
-                              f"{config.vocab_size}: the head was trained for another vocabulary")
+    check_draft_vocab(base, head.draft_vocab, config.vocab_size)  # an HF directory's was checked as it was read
     if config.mtp_num_hidden_layers < 1:
         raise CheckpointError(f"{base}'s config.json sets mtp_num_hidden_layers = 0 but it holds mtp.* tensors: set "
                               "it to the number of MTP layers")

@@ -39,6 +39,14 @@ def trunk_difference(recorded: dict, config) -> tuple[str, object, object] | Non
     return next(((what, v, have[what]) for what, v in recorded.items() if what in have and v != have[what]), None)
 
 
+def check_draft_vocab(path, vocab: torch.Tensor | None, vocab_size: int) -> None:
+    """A one-line error unless a head file's `draft_vocab` (when it has one) lists token ids in [0, vocab_size)."""
+    if vocab is not None and (vocab.dim() != 1 or vocab.numel() == 0 or vocab.is_floating_point()
+                              or int(vocab.min()) < 0 or int(vocab.max()) >= vocab_size):
+        raise CheckpointError(f"{path}: its {DRAFT_VOCAB} is not a list of token ids in [0, {vocab_size}): the head "
+                              "was trained for another vocabulary, or the file is corrupt")
+
+
 def save_mtp_head(model, path, dtype: torch.dtype | None = torch.bfloat16, *, overwrite: bool = False) -> Path:
     """Write the model's head, `mtp.*` (sequential MTP) or `mtp_heads.*` (parallel heads), cast to dtype (None
     keeps theirs), to one safetensors file, through a temporary sibling that is fsynced and renamed into place.
@@ -134,11 +142,7 @@ def load_mtp_head(model, path):
         vocab = None if vocab_shape is None else f.get_tensor(DRAFT_VOCAB)
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"cannot read {path} ({e}): the file is truncated or corrupt") from None
-    V = model.config.vocab_size
-    if vocab is not None and (vocab.dim() != 1 or vocab.numel() == 0 or vocab.is_floating_point()
-                              or int(vocab.min()) < 0 or int(vocab.max()) >= V):
-        raise CheckpointError(f"{path}: its {DRAFT_VOCAB} is not a list of token ids in [0, {V}): the head was "
-                              "trained for another vocabulary, or the file is corrupt")
+    check_draft_vocab(path, vocab, model.config.vocab_size)
     if parallel:
         add_parallel_heads(model, depth, intermediate_size=int(width))
     elif model.mtp is None or len(model.mtp.layers) != depth:

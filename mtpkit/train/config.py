@@ -52,7 +52,9 @@ class MTPSection:
     # "hard": CE on the data's tokens | "soft": CE against the trunk's stored top-k distribution at the target
     # (the rest of its mass as one bucket; EAGLE-3 / Medusa-2 self-distillation), needs data.mode = "features"
     head_loss: str = "hard"
-    draft_vocab: int = 0  # MTP CE over the N most frequent target ids of the training data (FR-Spec); 0: all
+    # MTP CE over the N most frequent target ids of the training data (FR-Spec); 0: over the ids the checkpoint's
+    # head drafts from if it has them (draft_vocab.json), else over the full vocabulary
+    draft_vocab: int = 0
 
     def __post_init__(self):
         """The checks of this section alone, so that one built in code (the loss takes it as its config) is as

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..checkpoint.hf import hf_config_dict, write_draft_vocab
+from ..checkpoint.hf import DRAFT_VOCAB_FILE, hf_config_dict, write_draft_vocab
 from ..data.build import build_data
 from ..data.images import batch_rows
 from ..data.packing import DataLoader
@@ -133,6 +133,12 @@ class Trainer:
         if cfg.mtp.draft_vocab:  # the head's CE runs over these ids, and the exported head drafts from them
             model.drafter.draft_vocab = draft_vocabulary(data.target_ids(), cfg.mtp.draft_vocab,
                                                          model.config.vocab_size)
+        elif model.drafter is not None and model.drafter.draft_vocab is not None:
+            if cfg.parallel.tp > 1:
+                raise ValueError(f"the checkpoint's head drafts from {len(model.drafter.draft_vocab)} ids (its "
+                                 f"{DRAFT_VOCAB_FILE}), which parallel.tp > 1 cannot train: set parallel.tp = 1")
+            logger.info("the head trains over the %d ids it drafts from (the checkpoint's %s; delete that file to "
+                        "train over the full vocabulary)", len(model.drafter.draft_vocab), DRAFT_VOCAB_FILE)
         # data-parallel replicas take different rows; the tp ranks of one replica take the same ones
         self.loader = DataLoader(data, t.batch_size, self.dist.dp_rank, self.dist.dp_world)
         per_rank = t.batch_size // self.dist.dp_world

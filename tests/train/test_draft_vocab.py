@@ -78,6 +78,17 @@ def test_a_run_with_draft_vocab_exports_it_in_the_head(tmp_path):
     full = export(tmp_path / "run", tmp_path / "hf")  # an HF checkpoint keeps it beside the weights
     assert torch.equal(load_model(full).drafter.draft_vocab, vocab)
 
+    # training on from that checkpoint: draft_vocab = 0 keeps the head's ids, N > 0 draws new ones
+    for n, run in ((0, "again"), (32, "fewer")):
+        raw = tiny_raw_config(tmp_path, model={"path": str(full), "config": None},
+                              mtp={"depth": 2, "only": True, "init": "checkpoint", "draft_vocab": n},
+                              train={"run_dir": str(tmp_path / run), "steps": 1, "batch_size": 2,
+                                     "micro_batch_size": 2})
+        train(config_from_dict(raw))
+    assert torch.equal(read_draft_vocab(tmp_path / "again", 320), vocab)
+    fewer = read_draft_vocab(tmp_path / "fewer", 320)
+    assert len(fewer) == 32 and set(fewer.tolist()) <= set(vocab.tolist())
+
 
 def test_an_hf_checkpoint_keeps_its_heads_draft_vocabulary(tmp_path):
     model = _model()

@@ -67,7 +67,7 @@ def check_held_out_fits(model_dir: Path, config, held: list[dict], eval_tokens: 
                what="held-out prompt", fix="shorten or drop them in the held-out prompts")
 
 
-def check_draft_vocab(vocab_size: int, n: int) -> None:
+def check_draft_vocab_size(vocab_size: int, n: int) -> None:
     """A draft vocabulary larger than the model's refused before distillation, not after it."""
     if not 0 <= n <= vocab_size:
         raise ValueError(f"--draft-vocab {n} must lie in 0..{vocab_size} (the model's vocabulary; 0: the head's own)")
@@ -144,7 +144,7 @@ def refresh(model, prompts, out, *, head_from=None, eval_prompts=None, eval_ever
     model = Path(model)
     config = config_from_hf(json.loads((model / "config.json").read_text()))
     check_held_out_fits(model, config, held, eval_tokens)
-    check_draft_vocab(config.vocab_size, draft_vocab)
+    check_draft_vocab_size(config.vocab_size, draft_vocab)
     device_type = pick_device(device, setting="--device {}").type
     seconds = {}
     start = time.perf_counter()

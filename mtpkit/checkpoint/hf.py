@@ -378,10 +378,18 @@ def read_draft_vocab(directory, vocab_size: int) -> torch.Tensor | None:
         ids = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError):
         raise bad from None
-    if (not isinstance(ids, list) or not ids or any(type(i) is not int or not 0 <= i < vocab_size for i in ids)
-            or len(set(ids)) != len(ids)):
+    if not isinstance(ids, list) or any(type(i) is not int for i in ids) or not is_draft_vocab(
+            ids := torch.tensor(sorted(ids), dtype=torch.long), vocab_size):
         raise bad
-    return torch.tensor(sorted(ids), dtype=torch.long)
+    return ids
+
+
+def is_draft_vocab(ids: torch.Tensor, vocab_size: int) -> bool:
+    """Whether `ids` can be a head's draft vocabulary: a non-empty 1-D tensor of distinct integer ids in
+    [0, vocab_size). The one rule for a draft_vocab.json and a head file's tensor."""
+    return (ids.dim() == 1 and ids.numel() > 0 and not ids.dtype.is_floating_point and not ids.dtype.is_complex
+            and ids.dtype != torch.bool and 0 <= int(ids.min()) and int(ids.max()) < vocab_size
+            and ids.unique().numel() == ids.numel())
 
 
 def group_experts(names) -> dict[str, dict[int, dict[str, str]]]:

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from ..models.mtp import MTP, add_mtp, is_mtp_param
 from ..models.parallel_heads import ParallelHeads, add_parallel_heads
-from .hf import CheckpointError
+from .hf import CheckpointError, is_draft_vocab
 from .safe_write import write_file
 
 DRAFT_VOCAB = "draft_vocab"  # optional int64 [N] tensor beside the head's: the ids it drafts from (FR-Spec)
@@ -40,11 +40,11 @@ def trunk_difference(recorded: dict, config) -> tuple[str, object, object] | Non
 
 
 def check_draft_vocab(path, vocab: torch.Tensor | None, vocab_size: int) -> None:
-    """A one-line error unless a head file's `draft_vocab` (when it has one) lists token ids in [0, vocab_size)."""
-    if vocab is not None and (vocab.dim() != 1 or vocab.numel() == 0 or vocab.is_floating_point()
-                              or int(vocab.min()) < 0 or int(vocab.max()) >= vocab_size):
-        raise CheckpointError(f"{path}: its {DRAFT_VOCAB} is not a list of token ids in [0, {vocab_size}): the head "
-                              "was trained for another vocabulary, or the file is corrupt")
+    """A one-line error unless a head file's `draft_vocab` (when it has one) lists distinct token ids in
+    [0, vocab_size)."""
+    if vocab is not None and not is_draft_vocab(vocab, vocab_size):
+        raise CheckpointError(f"{path}: its {DRAFT_VOCAB} is not a list of distinct token ids in [0, {vocab_size}): "
+                              "the head was trained for another vocabulary, or the file is corrupt")
 
 
 def save_mtp_head(model, path, dtype: torch.dtype | None = torch.bfloat16, *, overwrite: bool = False) -> Path:

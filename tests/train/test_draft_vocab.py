@@ -131,8 +131,9 @@ def test_graft_carries_a_head_files_draft_vocabulary_and_drops_the_fine_tunes_ol
     assert load_model(tmp_path / "out2").mtp.draft_vocab is None
     assert not (tmp_path / "out2" / DRAFT_VOCAB_FILE).exists()
     bad = load_file(str(tmp_path / "head.safetensors"))
-    bad[DRAFT_VOCAB] = torch.tensor([3, 320])  # past the fine-tune's vocabulary: refused before anything is written
-    save_file(bad, str(tmp_path / "bad.safetensors"))
-    with pytest.raises(CheckpointError, match="token ids in \\[0, 320\\)"):
-        graft(tmp_path / "bad.safetensors", tmp_path / "finetuned", tmp_path / "out3")
-    assert not (tmp_path / "out3").exists()
+    for ids in ([3, 320], [5, 5]):  # past the fine-tune's vocabulary, an id twice: refused before anything is written
+        bad[DRAFT_VOCAB] = torch.tensor(ids)
+        save_file(bad, str(tmp_path / "bad.safetensors"))
+        with pytest.raises(CheckpointError, match="distinct token ids in \\[0, 320\\)"):
+            graft(tmp_path / "bad.safetensors", tmp_path / "finetuned", tmp_path / "out3")
+        assert not (tmp_path / "out3").exists()

@@ -2,8 +2,9 @@
 one run (tokens/s are medians of interleaved repeats; run it on a quiet machine):
 
 1. fresh processes: plain decoding of one chat prompt in N new processes (the spread of their tokens/s around the
-   median: the decode routes are read from the route store, not drawn anew; beside it, as a control, the spread
-   of N calls in one process: what the machine itself gives), and in each of N more, auto's first
+   median: the decode routes are read from the route store, not drawn anew; as a control, one long-lived process
+   makes the same call right after each, so a process is judged against the machine's speed of that moment), and
+   in each of N more, auto's first
    call against its second (a first call that calibrates runs slower); each call timed whole, from the caller;
    and `mtpkit generate --chat` with --draft off and auto, N processes each, timed from start to exit;
 2. prompts where drafting fails (random token ids, a language the model barely knows, sampling at T = 1.2):
@@ -47,7 +48,8 @@ from mtpkit.tokenizer import encode_prompt
 model, tok, _, _ = mtpkit.load_for_decoding()
 ids = encode_prompt(tok, sys.argv[1], True)
 draft = None if sys.argv[2] == "off" else "auto"
-for _ in range(int(sys.argv[3])):
+calls = int(sys.argv[3])
+for _ in range(calls) if calls else sys.stdin:  # 0 calls: one call per line read, until stdin closes
     start = time.perf_counter()  # the whole call, set-up included, as its caller waits for it
     out = mtpkit.generate(model, [ids], max_new_tokens=int(sys.argv[4]), draft=draft, eos_token_id=tok.eos_token_id)
     print(len(out.tokens[0]) / (time.perf_counter() - start), flush=True)
@@ -71,20 +73,38 @@ def cli_seconds(draft: str, new_tokens: int) -> float:
 
 def fresh_processes(n: int, new_tokens: int) -> dict:
     in_fresh_process("auto", 1, new_tokens)  # the machine's first run: routes and step costs reach the store
-    plain = [in_fresh_process("off", 1, new_tokens)[0] for _ in range(n)]
+    # the control: the same call made by one long-lived process right after each fresh process (its first call
+    # left out). A VM's speed drifts over minutes (8 fresh processes in a row at 40 tok/s, a control run after them
+    # at 51-58), so each process is judged against the control call beside it, and the control's own spread is
+    # what the machine gives within one process
+    worker = subprocess.Popen([sys.executable, "-c", _PROCESS, CHAT, "off", "0", str(new_tokens)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def control() -> float:
+        worker.stdin.write("\n")
+        worker.stdin.flush()
+        return float(worker.stdout.readline())
+
+    control()
+    plain, one = [], []
+    for _ in range(n):
+        plain.append(in_fresh_process("off", 1, new_tokens)[0])
+        one.append(control())
+    worker.stdin.close()
+    worker.wait()
+    beside = [p / o for p, o in zip(plain, one)]
     pairs = [in_fresh_process("auto", 2, new_tokens) for _ in range(n)]
     cli = {"off": [], "auto": []}
     for i in range(n):  # interleaved, each order in turn
         for draft in ("off", "auto") if i % 2 else ("auto", "off"):
             cli[draft].append(cli_seconds(draft, new_tokens))
-    # the control: the same call n times in one process (its first call left out), whose spread is the machine's
-    # own (a VM's clock and neighbours); processes cannot be shown closer to each other than that
-    one = in_fresh_process("off", n + 1, new_tokens)[1:]
     median = statistics.median(plain)
     return {"plain_tokens_per_s": plain, "plain_median": median,
             "plain_worst_deviation": max(abs(p / median - 1) for p in plain),
             "one_process_tokens_per_s": one,
             "one_process_worst_deviation": max(abs(p / statistics.median(one) - 1) for p in one),
+            "plain_over_control": beside,
+            "plain_over_control_worst_deviation": max(abs(r / statistics.median(beside) - 1) for r in beside),
             "auto_first_over_second": [a / b for a, b in pairs], "auto_first_over_plain_median":
             statistics.median(a for a, _ in pairs) / median,
             "cli_seconds": cli, "cli_auto_over_off": statistics.median(cli["auto"]) / statistics.median(cli["off"])}
@@ -147,6 +167,9 @@ def render(report: dict) -> str:
                   f"   control, {len(f['one_process_tokens_per_s'])} calls in one process: "
                   f"{', '.join(f'{x:.1f}' for x in f['one_process_tokens_per_s'])}; worst deviation "
                   f"{f['one_process_worst_deviation']:.1%} (the machine's own spread)",
+                  f"   each process / the control call after it: "
+                  f"{', '.join(f'{x:.2f}' for x in f['plain_over_control'])}; worst deviation "
+                  f"{f['plain_over_control_worst_deviation']:.1%} (the processes' spread net of the machine's drift)",
                   f"   auto, first call / second call in each process: "
                   f"{', '.join(f'{x:.2f}' for x in f['auto_first_over_second'])}",
                   f"   auto first call / plain median: {f['auto_first_over_plain_median']:.2f}",

@@ -22,9 +22,11 @@ def test_interleaved_rows_and_the_report():
               "long": rows, "grid_command": "mtpkit bench ...",
               "fresh": {"plain_tokens_per_s": [10.0, 11.0], "plain_median": 10.5, "plain_worst_deviation": 0.048,
                         "one_process_tokens_per_s": [10.0, 12.0], "one_process_worst_deviation": 0.091,
+                        "plain_over_control": [1.0, 0.92], "plain_over_control_worst_deviation": 0.042,
                         "auto_first_over_second": [0.9, 1.0], "auto_first_over_plain_median": 1.1,
                         "cli_seconds": {"off": [5.0, 5.2], "auto": [4.9, 5.0]}, "cli_auto_over_off": 0.97}}
     text = auto_check.render(report)
     assert "worst deviation 4.8%" in text and "2 calls in one process: 10.0, 12.0; worst deviation 9.1%" in text
+    assert "after it: 1.00, 0.92; worst deviation 4.2%" in text
     assert "--draft off 5.10 s, auto 4.95 s (0.970x the time)" in text
     assert "auto" in text and "identical" in text and "mtpkit bench" in text

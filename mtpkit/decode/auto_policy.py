@@ -35,6 +35,7 @@ PRIOR_WEIGHT = 2.0
 SHRINK = 4.0  # the batch's estimate counts as this many of the row's own tries
 OPTIMISM = 0.1  # a_j + 0.1 / sqrt(1 + the row's tries of j)
 WINDOW = 15  # step costs: the median of the last 15 steps of each kind
+MEASURED_AFTER = 3  # ... once a width (or the draft depth) has this many in the call: before, priced optimistically
 DEFAULT_VERIFY_RATIO = 0.1  # a width never measured: each verified token past the first costs 0.1 of a decode
 DEFAULT_DRAFT_RATIO = 0.1  # and each draft depth 0.1 of a decode
 BINS = 10
@@ -97,19 +98,23 @@ class Calibration:
 
 class StepCosts:
     """Seconds of a step by the tokens it verifies (1: a plain step), and of one draft depth: the median of the last
-    `WINDOW` measured in this call (a step slowed by other work on the machine moves a median little). A width not
-    measured yet is priced as this call's plain step times its stored ratio to a plain step, else the default.
+    `WINDOW` measured in this call (a step slowed by other work on the machine moves a median little), once there
+    are `MEASURED_AFTER` of them. Before that a width is priced optimistically: at this call's plain step times the
+    lower of its stored ratio and the default one, or at its own samples where they are lower still.
 
     The store keeps ratios to a plain step measured within one call, never absolute seconds carried between calls:
     figures taken under different loads, mixed, once priced a plain step at 1.5x its real cost (30 ms stored
     against 20 measured), so auto drafted at a loss and, never decoding plainly, never found out (0.76x plain
     decoding when sampling at T = 1.2). For the same reason each call decodes its first `PLAIN_FIRST` steps
-    plainly: the plain step is then measured, not assumed."""
+    plainly: the plain step is then measured, not assumed. And a price is never taken above the default from the
+    store, nor from one or two samples: a first draft step of a process that took 22 ms (0.9 of a plain step,
+    against ~0.05 later), stored, priced the head out of every later call, which, never drafting, never measured
+    it again (auto 1.15x plain where the fixed rows ran 1.4x)."""
 
     def __init__(self, seeded: dict | None = None):
         self.steps: dict[int, deque] = {}
         self.drafts: deque = deque(maxlen=WINDOW)
-        self.measured: dict[int, float] = {}  # verify width -> the median of its window, kept as steps come in
+        self.measured: dict[int, float] = {}  # verify width -> the median of its window, once it holds enough
         self.draft_median: float | None = None
         seeded = seeded or {}
         self.ratios = {int(n): r for n, r in seeded.get("ratios", {}).items()}  # older stores held seconds: unread
@@ -117,51 +122,66 @@ class StepCosts:
 
     def plain_known(self) -> bool:
         """Whether this call has timed enough plain steps to price the others against."""
-        return len(self.steps.get(1, ())) >= PLAIN_FIRST
+        return 1 in self.measured
 
     def observe(self, verified: int, seconds: float, draft_depths: int = 0, draft_seconds: float = 0.0) -> None:
         """A step that verified `verified` tokens took `seconds`, of which `draft_seconds` drafted `draft_depths`
         depths."""
         window = self.steps.setdefault(verified, deque(maxlen=WINDOW))
         window.append(seconds - draft_seconds)
-        self.measured[verified] = statistics.median(window)  # once a step: plans read these many times a step
+        if len(window) >= (PLAIN_FIRST if verified == 1 else MEASURED_AFTER):
+            self.measured[verified] = statistics.median(window)  # once a step: plans read these many times a step
         if draft_depths:
             self.drafts.append(draft_seconds / draft_depths)
-            self.draft_median = statistics.median(self.drafts)
+            if len(self.drafts) >= MEASURED_AFTER:
+                self.draft_median = statistics.median(self.drafts)
+
+    def _envelope(self, n: int) -> float:
+        """The least median measured at width n or wider: verifying more tokens never costs less, so a width timed
+        slower than a wider one (the first steps of a call run up to 1.5x the later ones) is priced at the wider."""
+        return min(s for m, s in self.measured.items() if m >= n)
 
     def ratio(self, n: int) -> float:
-        """V(n) / V(1): measured in this call where both are, else stored, else the default."""
+        """V(n) / V(1): measured in this call where both are, else the lower of the stored and the default."""
         if n in self.measured and 1 in self.measured:
-            return self.measured[n] / self.measured[1]
-        return self.ratios.get(n, 1 + DEFAULT_VERIFY_RATIO * (n - 1)) if n > 1 else 1.0
+            return self._envelope(n) / self._envelope(1)
+        default = 1 + DEFAULT_VERIFY_RATIO * (n - 1)
+        return min(self.ratios.get(n, default), default)
 
     def plain(self) -> float:
         """Seconds of a plain step: measured, else from the nearest measured width by its ratio (1.0 before any)."""
         if 1 in self.measured:
-            return self.measured[1]
+            return self._envelope(1)
         if not self.measured:
             return 1.0
         m = min(self.measured, key=lambda w: (abs(w - 1), w))
-        return self.measured[m] / self.ratio(m)
+        return self._envelope(m) / self.ratio(m)
 
     def verify(self, n: int) -> float:
-        """Seconds of a step verifying n tokens: measured, else this call's plain step times its ratio."""
-        return self.measured[n] if n in self.measured else self.plain() * self.ratio(n)
+        """Seconds of a step verifying n tokens: measured, else this call's plain step times its ratio (or the few
+        samples of it, where lower)."""
+        if n in self.measured:
+            return self._envelope(n)
+        prior = self.plain() * self.ratio(n)
+        return min(prior, statistics.median(self.steps[n])) if self.steps.get(n) else prior
 
     def draft(self) -> float:
-        """Seconds of one draft depth: measured, else the stored share of a plain step, else DEFAULT_DRAFT_RATIO."""
+        """Seconds of one draft depth: measured, else the lower of its stored and default share of a plain step
+        (or of the few samples of it)."""
         if self.draft_median is not None:
             return self.draft_median
-        return (DEFAULT_DRAFT_RATIO if self.draft_ratio is None else self.draft_ratio) * self.plain()
+        stored = DEFAULT_DRAFT_RATIO if self.draft_ratio is None else min(self.draft_ratio, DEFAULT_DRAFT_RATIO)
+        prior = stored * self.plain()
+        return min(prior, statistics.median(self.drafts)) if self.drafts else prior
 
     def record(self) -> dict:
         """What the store keeps: each width's ratio to a plain step and the draft depth's, those measured in this
         call replacing the stored ones (none without a plain step timed in this call: nothing to divide by)."""
         ratios, draft = dict(self.ratios), self.draft_ratio
         if 1 in self.measured:
-            ratios.update({n: s / self.measured[1] for n, s in self.measured.items() if n > 1})
+            ratios.update({n: self.ratio(n) for n in self.measured if n > 1})
             if self.draft_median is not None:
-                draft = self.draft_median / self.measured[1]
+                draft = self.draft_median / self.plain()
         return {"ratios": {str(n): r for n, r in sorted(ratios.items())},
                 **({"draft_ratio": draft} if draft is not None else {})}
 

@@ -152,10 +152,14 @@ def test_a_stretch_of_plain_steps_is_caught_up_as_if_the_mtp_had_run_every_step(
 
 
 def _costs(verify: dict, draft: float) -> StepCosts:
-    """Costs fixed at these figures (observations ignored), so decisions do not depend on this machine's timing."""
-    costs = StepCosts({"ratios": {str(n): s / verify[1] for n, s in verify.items()}, "draft_ratio": draft / verify[1]})
-    costs.observe(1, verify[1])
-    costs.observe(1, verify[1])
+    """Costs measured at these figures, then fixed (observations ignored), so decisions do not depend on this
+    machine's timing."""
+    costs = StepCosts()
+    for _ in range(auto_policy.MEASURED_AFTER):
+        for n, seconds in verify.items():
+            costs.observe(n, seconds + (draft if n > 1 else 0), n > 1, draft if n > 1 else 0.0)
+    assert costs.plain_known() and costs.draft() == pytest.approx(draft)
+    assert all(costs.verify(n) == pytest.approx(seconds) for n, seconds in verify.items())
     costs.observe = lambda *a, **k: None
     return costs
 
@@ -219,26 +223,57 @@ def test_acceptance_counts_and_expected_tokens():
     assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
 
 
-def test_step_costs_are_robust_medians_and_price_unmeasured_widths_from_the_stored_ratios():
-    costs = StepCosts({"ratios": {"4": 1.5}, "draft_ratio": 0.1})
-    assert not costs.plain_known() and costs.verify(4) == pytest.approx(1.5)  # in plain steps until one is timed
+def test_step_costs_are_robust_medians_and_price_what_is_not_measured_yet_optimistically():
+    costs = StepCosts({"ratios": {"2": 1.05, "4": 1.5}, "draft_ratio": 0.3})
+    # before a plain step is timed, in plain steps: a stored ratio where it is below the default, else the default
+    assert not costs.plain_known()
+    assert costs.verify(2) == pytest.approx(1.05) and costs.verify(4) == pytest.approx(1.3)
+    assert costs.draft() == pytest.approx(auto_policy.DEFAULT_DRAFT_RATIO)
     for s in (0.010, 0.011, 0.012, 0.5, 0.010):  # one step slowed by other work
         costs.observe(1, s)
     assert costs.plain_known() and costs.verify(1) == pytest.approx(0.011)
-    assert costs.verify(4) == pytest.approx(0.011 * 1.5)  # the stored 4-token / 1-token ratio
-    assert costs.draft() == pytest.approx(0.011 * 0.1)  # the stored draft share of a decode
-    costs.observe(2, 0.02, draft_depths=2, draft_seconds=0.004)
-    assert costs.verify(2) == pytest.approx(0.016) and costs.draft() == pytest.approx(0.002)
+    assert costs.verify(4) == pytest.approx(0.011 * 1.3) and costs.draft() == pytest.approx(0.0011)
+    # one or two samples of a width price it only where they are lower: a slow first step does not stick
+    costs.observe(4, 0.030)
+    assert costs.verify(4) == pytest.approx(0.011 * 1.3)
+    costs.observe(4, 0.0125)
+    costs.observe(4, 0.0125)
+    assert costs.verify(4) == pytest.approx(0.0125)  # measured: the median of three
+    costs.observe(2, 0.017, draft_depths=1, draft_seconds=0.001)
+    assert costs.verify(2) == pytest.approx(0.011 * 1.05) and costs.draft() == pytest.approx(0.001)
+    for _ in range(2):
+        costs.observe(2, 0.017, draft_depths=1, draft_seconds=0.001)
+    # a 2-token verify timed at 16 ms is priced at the 4-token one's 12.5: verifying fewer never costs more
+    assert costs.verify(2) == pytest.approx(0.0125) and costs.draft() == pytest.approx(0.001)
+    record = costs.record()
+    assert record["ratios"] == pytest.approx({"2": 0.0125 / 0.011, "4": 0.0125 / 0.011})
+    assert record["draft_ratio"] == pytest.approx(0.001 / 0.011)
     assert StepCosts().verify(3) == pytest.approx(1 + 2 * auto_policy.DEFAULT_VERIFY_RATIO)
+
+
+def test_a_store_that_overprices_drafting_does_not_keep_auto_from_drafting():
+    """A first draft step of a process took 0.9 of a plain step and a wide verify 5x one; stored, they priced the
+    head and the wide widths out of every later call, which never measured them again."""
+    costs = StepCosts({"ratios": {"2": 3.0, "3": 3.0, "4": 3.0, "6": 5.3}, "draft_ratio": 0.9})
+    for _ in range(3):
+        costs.observe(1, 0.010)
+    ctl = Controller(3, 8, costs)
+    for _ in range(10):
+        ctl.observe(0, "head", 3, 2, [0.9, 0.9, 0.9])
+        ctl.observe(0, "context", 5, 5, [])
+    assert ctl.plan(0, found=0).source == "head"
+    plan = ctl.plan(0, found=8)
+    assert plan.source == "context" and plan.drafts >= 5
 
 
 def test_a_call_that_never_decodes_plainly_prices_the_plain_step_from_what_it_measured():
     """Only wider steps measured: the plain step is the nearest one over its stored ratio, not a stored absolute
     figure (which may come from a call under other load)."""
-    costs = StepCosts({"ratios": {"2": 1.2, "4": 1.25}})
-    costs.observe(4, 0.025)
-    assert costs.verify(1) == pytest.approx(0.020) and costs.verify(2) == pytest.approx(0.024)
-    assert costs.record() == {"ratios": {"2": 1.2, "4": 1.25}}  # no plain step timed: nothing new to store
+    costs = StepCosts({"ratios": {"2": 1.05, "4": 1.25}})
+    for _ in range(auto_policy.MEASURED_AFTER):
+        costs.observe(4, 0.025)
+    assert costs.verify(1) == pytest.approx(0.020) and costs.verify(2) == pytest.approx(0.021)
+    assert costs.record() == {"ratios": {"2": 1.05, "4": 1.25}}  # no plain step timed: nothing new to store
 
 
 def test_a_call_starts_with_plain_steps_that_time_the_plain_step():
@@ -271,7 +306,7 @@ def test_step_costs_are_kept_for_the_next_call(tmp_path, recorded):
     from mtpkit.decode.route_store import RouteStore
 
     model, built = recorded
-    mtpkit.generate(model, PROMPTS[:1], max_new_tokens=24, draft="auto")
+    mtpkit.generate(model, PROMPTS[:1], max_new_tokens=48, draft="auto")
     steps = RouteStore(tmp_path / "m.json").entries["steps"]
     assert list(steps) == [built[0].store_key] and steps[built[0].store_key]["ratios"]
     mtpkit.generate(model, PROMPTS[:1], max_new_tokens=4, draft="auto")
@@ -319,14 +354,19 @@ def test_step_costs_are_written_back_only_when_they_moved():
     assert not costs.moved()  # nothing measured: the stored figures stand
     for s in (0.0102, 0.0099, 0.0100):
         costs.observe(1, s)
-    costs.observe(2, 0.0121 + 0.00102, draft_depths=1, draft_seconds=0.00102)
+    for _ in range(auto_policy.MEASURED_AFTER):
+        costs.observe(2, 0.0121 + 0.00102, draft_depths=1, draft_seconds=0.00102)
     assert not costs.moved()  # every ratio within 5% of the stored one
+    for _ in range(auto_policy.MEASURED_AFTER - 1):
+        costs.observe(3, 0.014)
+    assert not costs.moved()  # two samples: not yet measured
     costs.observe(3, 0.014)
     assert costs.moved()  # a width the store lacks
     slower = StepCosts(seeded)
     for s in (0.010, 0.010, 0.010):
         slower.observe(1, s)
-    slower.observe(2, 0.015 + 0.001, draft_depths=1, draft_seconds=0.001)
+    for _ in range(auto_policy.MEASURED_AFTER):
+        slower.observe(2, 0.015 + 0.001, draft_depths=1, draft_seconds=0.001)
     assert slower.moved()  # a 2-token verify now 1.5x a plain step
 
 
@@ -334,7 +374,8 @@ def test_stored_ratios_of_widths_a_call_did_not_measure_are_kept():
     costs = StepCosts({"ratios": {"2": 1.2, "4": 1.3}, "draft_ratio": 0.05})
     for s in (0.020, 0.020, 0.020):  # this call's machine runs at half the speed: ratios unchanged
         costs.observe(1, s)
-    costs.observe(2, 0.030)
+    for _ in range(auto_policy.MEASURED_AFTER):
+        costs.observe(2, 0.030)
     record = costs.record()
     assert record["ratios"] == pytest.approx({"2": 1.5, "4": 1.3}) and record["draft_ratio"] == 0.05
     assert costs.verify(4) == pytest.approx(0.026)

@@ -109,7 +109,7 @@ class StepCosts:
     plainly: the plain step is then measured, not assumed. And a price is never taken above the default from the
     store, nor from one or two samples: a first draft step of a process that took 22 ms (0.9 of a plain step,
     against ~0.05 later), stored, priced the head out of every later call, which, never drafting, never measured
-    it again (auto 1.15x plain where the fixed rows ran 1.4x)."""
+    it again (auto drafted from the context alone)."""
 
     def __init__(self, seeded: dict | None = None):
         self.steps: dict[int, deque] = {}

@@ -196,3 +196,17 @@ def test_a_draft_vocabulary_is_drafted_from_bf16_rounded_rows_that_stream_at_hal
     assert torch.equal(head.weight, weight[vocab.sort().values].bfloat16().float())
     assert router_for(model).stream(head.weight).dtype == torch.bfloat16
     assert draft_head.DraftHead(model, SamplingParams()).weight is weight
+
+
+def test_draft_vocabulary_rows_are_made_once_and_again_when_the_weight_or_vocabulary_changes():
+    model = drafting_model("llama")
+    weight, vocab = model.output_weight, torch.tensor([7, 3, 20, 11])
+    first = draft_head.DraftHead(model, SamplingParams(), vocab).weight
+    assert draft_head.DraftHead(model, SamplingParams(), vocab.flip(0)).weight is first  # the same ids: kept
+    other = draft_head.DraftHead(model, SamplingParams(), torch.tensor([7, 3, 20])).weight
+    assert torch.equal(other, weight[[3, 7, 20]].bfloat16().float())  # other ids: made for them
+    with torch.no_grad():
+        weight.mul_(2)  # trained in place: the kept rows are stale
+    again = draft_head.DraftHead(model, SamplingParams(), vocab).weight
+    assert torch.equal(again, weight[vocab.sort().values].bfloat16().float())
+    assert not torch.equal(again, first)

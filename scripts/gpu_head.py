@@ -15,6 +15,7 @@ command or function, logged to OUT/log.txt; a rerun with the same OUT resumes ev
 
     python scripts/gpu_head.py --out OUT --budget 540                    # on the GPU machine
     python scripts/gpu_head.py --out /tmp/gpu_head_tiny --device cpu --tiny  # a check of the script on CPU
+    python scripts/gpu_head.py --out OUT --device cpu --budget 5700        # the recipe at a CPU's scale
     python scripts/gpu_head.py --out OUT --device cpu --measure new=HEAD   # the measure stage alone: shipped vs HEAD
 
 Every stage stops in time: distillation takes --max-minutes, training is sent SIGTERM at its share of the budget
@@ -42,9 +43,8 @@ import torch
 
 import mtpkit
 from mtpkit.assets import default_gguf_path
-from mtpkit.bench.acceptance import run_acceptance
+from mtpkit.bench.acceptance_se import decode_rows, length_figures, paired_difference_se
 from mtpkit.bench.contexts import context_prompts, python_docs
-from mtpkit.decode.draft_spec import DraftSpec
 from mtpkit.loading import load_for_decoding
 from mtpkit.prompts import encode_prompts, read_prompts
 from mtpkit.resources import resource
@@ -55,11 +55,18 @@ SHIPPED = resource("smollm2_mtp_head.safetensors")
 HELD_OUT = ("heldout_prompts.jsonl", "heldout2_prompts.jsonl", "doc_chat_heldout_prompts.jsonl")
 # shares of the budget (the rest: measuring); sizes of the GPU run and of the CPU check
 SHARES = {"distill_short": 0.27, "distill_long": 0.23, "train": 0.25}
-FULL = dict(short_prompts=200_000, long_prompts=20_000, batch=1024, long_batch=256, batch_tokens=1_500_000,
-            new_tokens=128, contexts=(128, 512, 2048, 4096), eval_tokens=128, eval_batch=40, limit=0,
-            train_batch=16, train_steps=400)
-TINY = dict(short_prompts=8, long_prompts=4, batch=4, long_batch=2, batch_tokens=12_000, new_tokens=8,
-            contexts=(64, 256), eval_tokens=8, eval_batch=4, limit=2, train_batch=2, train_steps=2)
+SIZES = {
+    "gpu": dict(short_prompts=200_000, long_prompts=20_000, batch=1024, long_batch=256, batch_tokens=1_500_000,
+                new_tokens=128, contexts=(128, 512, 2048, 4096), eval_tokens=128, eval_batch=40, limit=0,
+                train_batch=16, train_steps=400, lr=1e-3, warmup=10),
+    # the same recipe at a 2-core CPU's scale (fp32): the learning rate of the CPU warm starts of the shipped head
+    "cpu": dict(short_prompts=2_500, long_prompts=200, batch=64, long_batch=8, batch_tokens=32_000,
+                new_tokens=128, contexts=(128, 512, 2048, 4096), eval_tokens=64, eval_batch=10, limit=0,
+                train_batch=4, train_steps=40, lr=5e-4, warmup=3),
+    "tiny": dict(short_prompts=8, long_prompts=4, batch=4, long_batch=2, batch_tokens=12_000, new_tokens=8,
+                 contexts=(64, 256), eval_tokens=8, eval_batch=4, limit=2, train_batch=2, train_steps=2, lr=1e-3,
+                 warmup=1),
+}
 
 
 class Job:
@@ -167,8 +174,9 @@ def train(job: Job, features: list[Path], seconds: float, device: str, size: dic
              f"--train.device={device}", "--train.autocast=" + ("bf16" if device == "cuda" else "fp32"),
              f"--train.steps={size['train_steps']}", f"--train.batch_size={size['train_batch']}",
              f"--train.micro_batch_size={size['train_batch']}", "--train.eval_every=0", "--data.val_docs=0",
-             f"--checkpoint.every={max(1, size['train_steps'] // 8)}", "--optim.warmup_steps=10",
-             "--optim.lr=1e-3", "--optim.lr_mtp=1e-3", "--log.every=10", "--log.progress=false"], seconds)
+             f"--checkpoint.every={max(1, size['train_steps'] // 8)}", f"--optim.warmup_steps={size['warmup']}",
+             f"--optim.lr={size['lr']}", f"--optim.lr_mtp={size['lr']}", "--log.every=10", "--log.progress=false"],
+            seconds)
     head = job.out / "head.safetensors"
     job.run(["export", str(run_dir), "--mtp-only", "--dtype", "bfloat16", "--out", str(head)])
     return head
@@ -176,9 +184,10 @@ def train(job: Job, features: list[Path], seconds: float, device: str, size: dic
 
 @torch.inference_mode()
 def measure(job: Job, heads: dict[str, Path], device: str, size: dict) -> dict:
-    """Mean acceptance length at k = 1 and 3 (chain) per held-out set and context length, for each head."""
-    specs = DraftSpec.grid([1, 3])
-    tok = load_tokenizer(default_gguf_path())  # both heads sit on the one trunk: its prompts are tokenized once
+    """Mean acceptance length at k = 1 and 3 (chain, greedy) per held-out set and context length, for each head,
+    with its standard error over prompts and the tokens kept per step of every prompt; then each head against the
+    first (the shipped one), paired over the same prompts (`bench/acceptance_se.py`)."""
+    tok = load_tokenizer(default_gguf_path())  # the heads sit on one trunk: its prompts are tokenized once
     sets = {f: encode_prompts(read_prompts(resource(f))[: size["limit"] or None], tok) for f in HELD_OUT}
     by_length = context_prompts(python_docs(), tok, list(size["contexts"]), size["limit"] or 8)
     sets.update({f"context_{n}": prompts for n, prompts in by_length.items()})
@@ -189,15 +198,25 @@ def measure(job: Job, heads: dict[str, Path], device: str, size: dict) -> dict:
         for set_name, prompts in sets.items():
             if job.left() < 20:
                 job.log(f"measure: out of time before {name} / {set_name}")
-                return result
-            report = run_acceptance(model, prompts, num_tokens=size["eval_tokens"], specs=specs,
-                                    eos_token_id=tok.eos_token_id, batch_size=size["eval_batch"], progress=False)
-            result[name][set_name] = {f"k{run['draft_tokens']}": {
-                "mean_acceptance_length": run["mean_acceptance_length"],
-                "accepted_per_position": run["accepted_per_position"]} for run in report["runs"]}
-            result[name][set_name]["prompts"] = len(prompts)
+                break
+            rows = [p.inputs or p.ids for p in prompts]
+            figures = result[name][set_name] = {"prompts": len(prompts)}
+            for k in (1, 3):
+                _, lengths, per_position = decode_rows(model, rows, k=k, num_tokens=size["eval_tokens"],
+                                                       eos_token_id=tok.eos_token_id, batch_size=size["eval_batch"])
+                figures[f"k{k}"] = {**length_figures(lengths, per_position), "lengths": lengths}
             job.log(f"measure: {name} {set_name}: " + ", ".join(
-                f"{k} {v['mean_acceptance_length']:.3f}" for k, v in result[name][set_name].items() if k != "prompts"))
+                f"k{k} {figures[f'k{k}']['mean_acceptance_length']:.3f} +- {figures[f'k{k}']['se']:.3f}"
+                for k in (1, 3)))
+    base, *others = result
+    for name in others:
+        for set_name, figures in result[name].items():
+            for key in ("k1", "k3"):
+                diff, se = paired_difference_se(figures[key]["lengths"], result[base][set_name][key]["lengths"])
+                figures[key][f"minus_{base}"] = {"difference": diff, "se": se}
+            paired = {key: figures[key][f"minus_{base}"] for key in ("k1", "k3")}
+            job.log(f"measure: {name} - {base} {set_name}: " + ", ".join(
+                f"{key} {d['difference']:+.3f} +- {d['se']:.3f}" for key, d in paired.items()))
     return result
 
 
@@ -206,7 +225,9 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget", type=float, default=540, help="seconds for the whole job")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--tiny", action="store_true", help="a few prompts and steps: checks the script")
+    ap.add_argument("--size", choices=tuple(SIZES), help="prompts, batches and training steps (default: gpu on "
+                    "cuda, cpu on a CPU)")
+    ap.add_argument("--tiny", action="store_true", help="= --size tiny: a few prompts and steps, checks the script")
     ap.add_argument("--measure", nargs="+", metavar="NAME=HEAD", help="only the measure stage, of the shipped head "
                     "and these (a head trained elsewhere, e.g. on a CPU), into OUT/summary.json")
     ap.add_argument("--eval-tokens", type=int, help="new tokens a prompt in the measure stage (default: the size's)")
@@ -215,7 +236,7 @@ def main() -> int:
     pairs = [spec.partition("=") for spec in args.measure or ()]
     if any(not name or not head for name, _, head in pairs):
         ap.error("--measure takes NAME=HEAD pairs, e.g. new=runs/head.safetensors")
-    size = dict(TINY if args.tiny else FULL)
+    size = dict(SIZES["tiny" if args.tiny else args.size or ("gpu" if args.device == "cuda" else "cpu")])
     size.update({k: v for k, v in (("eval_tokens", args.eval_tokens), ("eval_batch", args.eval_batch)) if v})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -236,15 +257,18 @@ def main() -> int:
              "--word-share", "0.35", "--no-literature"]
     long = ["--num-prompts", str(size["long_prompts"]), "--batch-size", str(size["long_batch"]), "--batch-tokens",
             str(size["batch_tokens"]), "--seed", "42", "--long-share", "0.9", "--no-literature"]
-    # the engine decides batches' arithmetic, not which prompts: the background build takes the eager one
-    building = job.start(distill_args(job, "long", long, 0, args.device, size, "eager"))
-    if "profile" not in summary:
+    # the long prompts' build is CPU work, in the background while a GPU profiles and distils; on a CPU it would
+    # share two cores with the distillation, so it runs after it. The engine decides batches' arithmetic, not which
+    # prompts: the build takes the eager one
+    build = distill_args(job, "long", long, 0, args.device, size, "eager")
+    building = job.start(build) if args.device == "cuda" else None
+    if "profile" not in summary and (args.device == "cuda" or args.tiny):  # a CPU distils eagerly: no profile
         summary["profile"] = profile(job, args.device, size)
         summary_path.write_text(json.dumps(summary, indent=1))
-    engine = summary["profile"]["engine"]
+    engine = summary.get("profile", {}).get("engine", "eager")
     job.run(distill_args(job, "short", short, minutes_for(SHARES["distill_short"] * budget), args.device, size,
                          engine))
-    job.log(f"long prompts built: rc={building.wait()}")
+    job.log(f"long prompts built: rc={building.wait() if building else job.run(build)}")
     job.run(distill_args(job, "long", long, minutes_for(SHARES["distill_long"] * budget), args.device, size, engine))
     for name in ("short", "long"):
         meta = json.loads((out / f"features_{name}" / "meta.json").read_text())

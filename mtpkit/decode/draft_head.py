@@ -3,14 +3,15 @@ vocabulary or a draft vocabulary), optionally gated by confidence; `frequent_tok
 
 from __future__ import annotations
 
-import weakref
 from collections import Counter
 from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..kernels.linear import linear
+from .matmul_routing import weight_version
 from .sampling import SamplingParams, probs, sample
 
 
@@ -25,9 +26,8 @@ def frequent_tokens(token_ids: Iterable, n: int) -> torch.Tensor:
     return torch.tensor([t for t, _ in counts.most_common(n)], dtype=torch.long)
 
 
-# id(output weight) -> (a weak reference to it, its version, the draft vocabulary, its rows), dropped with the weight
-# (a WeakKeyDictionary would compare tensors with ==)
-_DRAFT_ROWS: dict[int, tuple] = {}
+# output weight -> (its version, the draft vocabulary, its rows), dropped with the weight
+_DRAFT_ROWS = WeakIdKeyDictionary()
 
 
 def _draft_rows(weight: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
@@ -35,15 +35,16 @@ def _draft_rows(weight: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
     call of a process ~90 ms (first touch of 19 MB for SmolLM2's 8,192 ids), 7% of a 128-token chat answer.
     An fp32 CPU copy is rounded to bf16 values, which the decode router streams from a bf16 copy: half the bytes
     of each draft depth's projection; only q changes (by rounding), which verification corrects. An in-place
-    change of the weight (training, load_state_dict) bumps its version, and the rows are made again."""
-    key = id(weight)
-    kept = _DRAFT_ROWS.get(key)
-    if kept is not None and kept[0]() is weight and kept[1] == weight._version and torch.equal(kept[2], vocab):
-        return kept[3]
+    change of the weight (training, load_state_dict) bumps its version, and the rows are made again (a weight made
+    under inference_mode has no version counter: its rows are kept, as the decode router keeps its copies)."""
+    version = weight_version(weight)
+    kept = _DRAFT_ROWS.get(weight)
+    if kept is not None and kept[0] == version and torch.equal(kept[1], vocab):
+        return kept[2]
     rows = weight[vocab]
     if rows.dtype == torch.float32 and rows.device.type == "cpu":
         rows = rows.bfloat16().float()
-    _DRAFT_ROWS[key] = (weakref.ref(weight, lambda _: _DRAFT_ROWS.pop(key, None)), weight._version, vocab, rows)
+    _DRAFT_ROWS[weight] = (version, vocab, rows)
     return rows
 
 

@@ -75,7 +75,7 @@ def thin_product(x: torch.Tensor, weight: torch.Tensor, how: tuple[str, int]) ->
     return y[:rows].contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
-def _version(weight: torch.Tensor) -> int | None:
+def weight_version(weight: torch.Tensor) -> int | None:
     """The tensor's in-place change counter (None for an inference-mode tensor, which has none)."""
     return None if weight.is_inference() else weight._version
 
@@ -125,7 +125,7 @@ class MatmulRouter:
         """What the thin kernel reads for `weight`: its exact bf16 copy where it has one, else the weight; made once
         per weight and again after an in-place change (its version counter moved; an inference-mode tensor, such
         as a draft vocabulary's slice made per generate call, has none and keeps its first copy)."""
-        version = _version(weight)
+        version = weight_version(weight)
         entry = self.streams.get(weight)
         if entry is None or entry[0] != version:
             entry = self.streams[weight] = (version, exact_bf16(weight))
@@ -188,7 +188,7 @@ class MatmulRouter:
         return _FusedLayer(weights, tuple(blocks), weights.products())
 
     def _run_fused(self, fused: _FusedLayer, x: torch.Tensor, ctx, kv_cache) -> torch.Tensor:
-        versions = tuple(map(_version, fused.products))  # a few us: a weight changed in place is read anew
+        versions = tuple(map(weight_version, fused.products))  # a few us: a weight changed in place is read anew
         if versions != fused.versions:
             fused.versions = versions
             fused.reads = fused.weights._replace(**{n: self.stream(getattr(fused.weights, n))

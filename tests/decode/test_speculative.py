@@ -210,3 +210,14 @@ def test_draft_vocabulary_rows_are_made_once_and_again_when_the_weight_or_vocabu
     again = draft_head.DraftHead(model, SamplingParams(), vocab).weight
     assert torch.equal(again, weight[vocab.sort().values].bfloat16().float())
     assert not torch.equal(again, first)
+
+
+def test_a_model_made_under_inference_mode_drafts_from_a_draft_vocabulary():
+    """Weights made under torch.inference_mode have no version counter; the kept draft rows must not need one."""
+    with torch.inference_mode():
+        model = drafting_model("llama")
+        vocab = torch.arange(0, 32, 2)
+        plain = mtpkit.generate(model, PROMPTS, max_new_tokens=20)
+        runs = [mtpkit.generate(model, PROMPTS, max_new_tokens=20, draft_tokens=2, draft_vocab=vocab) for _ in "ab"]
+    assert model.output_weight.is_inference()
+    assert all(r.tokens == plain.tokens for r in runs)

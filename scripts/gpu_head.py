@@ -6,7 +6,8 @@ of 500-4,000 tokens: `mtpkit distill --long-share`), packed whole so that the MT
 prompt, and measures the shipped and the new head side by side on prompts no distillation saw. Stages, each a mtpkit
 command or function, logged to OUT/log.txt; a rerun with the same OUT resumes every stage:
 
-  profile   one distillation batch, eager against fixed-shape (CUDA-graph) steps: ms per step, the top kernels
+  profile   (GPU, --tiny) one distillation batch, eager against fixed-shape (CUDA-graph) steps: ms per step, the
+            top kernels
   distill   short prompts, then long-input prompts (--batch-tokens caps their batches), features kept
   train     the shipped head, one epoch-ish on both feature sets, records whole in rows of the longest
   export    OUT/head.safetensors (bf16, with its draft vocabulary)
@@ -15,7 +16,7 @@ command or function, logged to OUT/log.txt; a rerun with the same OUT resumes ev
 
     python scripts/gpu_head.py --out OUT --budget 540                    # on the GPU machine
     python scripts/gpu_head.py --out /tmp/gpu_head_tiny --device cpu --tiny  # a check of the script on CPU
-    python scripts/gpu_head.py --out OUT --device cpu --budget 5700        # the recipe at a CPU's scale
+    python scripts/gpu_head.py --out OUT --device cpu --budget 6600        # the recipe at a CPU's scale
     python scripts/gpu_head.py --out OUT --device cpu --measure new=HEAD   # the measure stage alone: shipped vs HEAD
 
 Every stage stops in time: distillation takes --max-minutes, training is sent SIGTERM at its share of the budget
@@ -53,7 +54,7 @@ from mtpkit.tokenizer import load_tokenizer
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = resource("smollm2_mtp_head.safetensors")
 HELD_OUT = ("heldout_prompts.jsonl", "heldout2_prompts.jsonl", "doc_chat_heldout_prompts.jsonl")
-# shares of the budget (the rest: measuring); sizes of the GPU run and of the CPU check
+# shares of the budget (the rest: measuring); sizes of the GPU run, of a CPU run and of the script's check
 SHARES = {"distill_short": 0.27, "distill_long": 0.23, "train": 0.25}
 SIZES = {
     "gpu": dict(short_prompts=200_000, long_prompts=20_000, batch=1024, long_batch=256, batch_tokens=1_500_000,

@@ -212,10 +212,10 @@ def measure(job: Job, heads: dict[str, Path], device: str, size: dict) -> dict:
     base, *others = result
     for name in others:
         for set_name, figures in result[name].items():
+            paired = {}
             for key in ("k1", "k3"):
                 diff, se = paired_difference_se(figures[key]["lengths"], result[base][set_name][key]["lengths"])
-                figures[key][f"minus_{base}"] = {"difference": diff, "se": se}
-            paired = {key: figures[key][f"minus_{base}"] for key in ("k1", "k3")}
+                paired[key] = figures[key][f"minus_{base}"] = {"difference": diff, "se": se}
             job.log(f"measure: {name} - {base} {set_name}: " + ", ".join(
                 f"{key} {d['difference']:+.3f} +- {d['se']:.3f}" for key, d in paired.items()))
     return result

@@ -123,8 +123,8 @@ class MatmulRouter:
 
     def stream(self, weight: torch.Tensor) -> torch.Tensor:
         """What the thin kernel reads for `weight`: its exact bf16 copy where it has one, else the weight; made once
-        per weight and again after an in-place change (its version counter moved; an inference-mode tensor, such
-        as a draft vocabulary's slice made per generate call, has none and keeps its first copy)."""
+        per weight and again after an in-place change (its version counter moved; an inference-mode tensor has none
+        and keeps its first copy)."""
         version = weight_version(weight)
         entry = self.streams.get(weight)
         if entry is None or entry[0] != version:

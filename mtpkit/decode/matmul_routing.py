@@ -27,12 +27,14 @@ step that first needs it, not from its products' choices: one product measured a
 turn the fused layer off for every step of a process (plain decoding at 26 instead of 40 tok/s in one of four
 fresh processes). Ties go to the fused op, which makes one call where the modules make ~30 and so stays ahead when
 other work shares the cores. Choices and layer decisions are kept on disk per machine (route_store.py), so a new
-process neither calibrates again nor draws another set of routes.
+process neither calibrates again nor draws another set of routes; only those measured while no other process used
+the CPUs (`keep`), since load skews the candidates unevenly.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
@@ -44,7 +46,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..kernels import decode_layer, thin_matmul
 from ..kernels.linear import Linear
 from .cache import KVCache
-from .route_store import DRIFT, RouteStore, entry_key
+from .route_store import DRIFT, LoadWatch, RouteStore, entry_key
 
 MAX_ROWS = 16  # wider products (large batches, prefill) are compute-bound: F.linear
 PADS = (2, 4, 8, 16)
@@ -111,6 +113,8 @@ class MatmulRouter:
         self.repeats = repeats
         self.force = force  # one candidate for every shape (benchmarks compare the router against each)
         self.store = None if force else store  # measurements kept on disk (route_store.py)
+        self.watch = LoadWatch()  # ... only what was measured while no other process shared the CPUs
+        self.warned_load = False
         self.measured_rows: set[tuple] = set()  # (rows, dtype) calibrated by this process, not read from the store
         self.timing_layer = False  # set while a layer's modules are timed: `layer` declines
         self.measuring = 0.0  # seconds spent measuring (calibrations, check passes, layer timings): step timers
@@ -223,9 +227,20 @@ class MatmulRouter:
             self.timing_layer = False
             self.measuring += time.perf_counter() - start
         wins = best["fused"] <= (1 + LAYER_TIE) * best["modules"]
-        if self.store is not None:
-            self.store.put("layers", {store_key: {"fused": wins, "ms": {k: 1e3 * v for k, v in best.items()}}})
+        self.keep("layers", {store_key: {"fused": wins, "ms": {k: 1e3 * v for k, v in best.items()}}})
         return wins
+
+    def keep(self, section: str, values: dict) -> None:
+        """Store measurements for later processes, unless other processes shared the CPUs while they were taken
+        (they then hold for this process only, and the next one measures again)."""
+        if self.store is None:
+            return
+        if self.watch.quiet():
+            self.store.put(section, values)
+        elif not self.warned_load:
+            self.warned_load = True
+            warnings.warn("mtpkit: other processes were using this process's CPUs while decoding routes and step "
+                          "costs were measured; they are not stored, and a later process measures them again")
 
     def prepare(self, rows: int, weight: torch.Tensor) -> None:
         """Routes for `rows` rows of weight's dtype now, from the store or measured, rather than in the middle of the
@@ -245,9 +260,8 @@ class MatmulRouter:
         finally:
             self.measuring += time.perf_counter() - start
         self.measured_rows.add((rows, weight.dtype))
-        if self.store is not None:
-            self.store.put("products", {entry_key(*key): {"ms": {_label(c): t for c, t in self.timings[key].items()},
-                                                          "choice": _label(self.choice[key])} for key in measured})
+        self.keep("products", {entry_key(*key): {"ms": {_label(c): t for c, t in self.timings[key].items()},
+                                                 "choice": _label(self.choice[key])} for key in measured})
 
     def _calibration_weights(self, weight: torch.Tensor) -> list[torch.Tensor]:
         """The model's weights of weight's dtype on the CPU, in model order, plus `weight` if it is not one of them."""

@@ -7,11 +7,14 @@ of that process. The store keeps each choice with its timings, keyed by what dec
 and flags, torch version, the thin kernel's sources) names the file, threads / rows / dtype / weight shape the
 entry. A whole-layer decision (fused op or modules, `MatmulRouter.layer`) is kept the same way.
 
-A process checks the first row count it finds stored with one timed pass of the stored routes over the weights
-(about one step's products): a pass faster than the stored figures by more than `DRIFT` means they were measured
-under load, and that row count is calibrated again and rewritten (and the next one read is checked in turn);
-otherwise the stored routes are used, that row count's and the others' (a pass slower than stored means this
-process runs under load, which is no time to calibrate). The file is a cache: a
+Measurements taken while other processes shared this process's CPUs are used by that process only, never
+stored (`LoadWatch`): load skews candidates unevenly (one calibration taken beside a training job timed the
+one-row thin kernel at 3-5x its real cost and the two-row one at its real cost, and every later process decoded
+plainly 27% slower from the stored choice). And a process checks the first row count it finds stored with one timed
+pass of the stored routes over the weights (about one step's products): a pass faster than the stored figures by
+more than `DRIFT` means they were measured under load, and that row count is calibrated again and rewritten (and
+the next one read is checked in turn); otherwise the stored routes are used, that row count's and the others' (a
+pass slower than stored means this process runs under load, which is no time to calibrate). The file is a cache: a
 damaged one is set aside with a warning and rebuilt. `MTPKIT_ROUTES` names another directory, or `off`.
 """
 
@@ -22,7 +25,9 @@ import hashlib
 import json
 import os
 import platform
+import time
 import warnings
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -31,7 +36,11 @@ from ..assets import cache_dir
 from ..kernels import thin_matmul
 
 DRIFT = 0.85  # a check pass under this share of the stored time: the stored calibration ran under load
-FORMAT = 1  # bumped when what an entry means changes: older files are not read
+FORMAT = 2  # bumped when what an entry means changes: older files are not read (2: measured on quiet CPUs only)
+# other processes' work on this process's CPUs, in cores, above which a measurement is not stored: one core taken
+# from a parallel region's thread stalls the region, however many cores the machine has
+LOAD_LIMIT = 0.2
+LOAD_WINDOW = 1.0  # seconds: load is judged over at least this long where the watch has seen that much
 
 
 def cpu_description() -> str:
@@ -45,6 +54,56 @@ def cpu_description() -> str:
         name, _, value = line.partition(":")
         fields.setdefault(name.strip(), value.strip())
     return f"{fields.get('model name', platform.processor())} | {fields.get('flags', fields.get('Features', ''))}"
+
+
+def _busy_ticks(cpus: set[int]) -> int | None:
+    """Clock ticks the CPUs in `cpus` spent running anything (user, nice, system, irq, softirq and a VM's steal:
+    /proc/stat), None where that file is not there."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    total = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[:8])
+            total += user + nice + system + irq + softirq + steal
+    return total
+
+
+class LoadWatch:
+    """Whether other processes have been sharing this process's CPUs: the CPU time those CPUs spent on anything but
+    this process (a VM's steal included) per second, i.e. in cores, over the last LOAD_WINDOW seconds or more (from
+    the newest reading that old, else the first). Linux only: elsewhere every measurement counts as quiet."""
+
+    def __init__(self):
+        self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+        self.tick = 1 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+        self.readings: deque = deque(maxlen=32)
+        self.read()
+
+    def read(self) -> tuple[float, int, float] | None:
+        ticks = _busy_ticks(self.cpus)
+        if ticks is None:
+            return None
+        reading = (time.perf_counter(), ticks, time.process_time())
+        self.readings.append(reading)
+        return reading
+
+    def other_cores(self) -> float | None:
+        """Other processes' work on this process's CPUs since the base reading, in cores; None without /proc/stat."""
+        base = next((r for r in reversed(self.readings) if time.perf_counter() - r[0] >= LOAD_WINDOW),
+                    self.readings[0] if self.readings else None)
+        now = self.read()
+        if base is None or now is None or now[0] <= base[0]:
+            return None
+        others = (now[1] - base[1]) * self.tick - (now[2] - base[2]) - 2 * self.tick  # ticks count to +-1 each end
+        return max(others, 0.0) / (now[0] - base[0])
+
+    def quiet(self) -> bool:
+        cores = self.other_cores()
+        return cores is None or cores <= LOAD_LIMIT
 
 
 def machine_key() -> str:

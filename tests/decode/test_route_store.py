@@ -1,9 +1,14 @@
 """The decode router's measurements on disk: a new process takes the stored routes after one check pass, a store
-measured under load is measured again, a damaged store is set aside, processes merge their entries; and whether a
-layer is fused is decided by timing the layer, not by its products' choices."""
+measured under load is measured again, measurements taken beside other processes are not stored, a damaged store is
+set aside, processes merge their entries; and whether a layer is fused is decided by timing the layer, not by its
+products' choices."""
 
 import json
 import multiprocessing
+import subprocess
+import sys
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +17,8 @@ from tiny_models import random_mtp_tensors, save_hf
 
 import mtpkit
 from mtpkit.decode import matmul_routing as routing
-from mtpkit.decode.route_store import RouteStore, machine_key
+from mtpkit.decode import route_store
+from mtpkit.decode.route_store import LoadWatch, RouteStore, machine_key
 from mtpkit.kernels import thin_matmul
 from mtpkit.models.presets import tiny_hf_model
 
@@ -75,6 +81,39 @@ def test_a_store_measured_under_load_is_measured_again(tmp_path, monkeypatch):
     kept = routing.MatmulRouter(lambda: WEIGHTS, repeats=2, store=RouteStore(path))
     monkeypatch.setattr(routing.MatmulRouter, "calibrate", lambda self, *a: pytest.fail("calibrated again"))
     _route(kept, 2)
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="the load watch reads Linux's /proc/stat")
+def test_the_load_watch_sees_other_processes_and_not_its_own(monkeypatch):
+    monkeypatch.setattr(route_store, "LOAD_LIMIT", 0.2)
+    watch = LoadWatch()
+    end = time.perf_counter() + 1.2
+    while time.perf_counter() < end:  # this process busy: not load
+        pass
+    assert watch.other_cores() < 0.2 and watch.quiet()
+    spin = "import time\nend = time.time() + 2.0\nwhile time.time() < end: pass"
+    other = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        watch = LoadWatch()
+        time.sleep(1.2)
+        assert watch.other_cores() > 0.5 and not watch.quiet()  # one busy core beside this process
+    finally:
+        other.wait()
+
+
+def test_routes_measured_beside_other_processes_are_used_but_not_stored(tmp_path, monkeypatch):
+    _slow_clock(monkeypatch, ("wxt", 4))
+    monkeypatch.setattr(LoadWatch, "other_cores", lambda self: 1.0)
+    monkeypatch.setattr(route_store, "LOAD_LIMIT", 0.2)
+    path = tmp_path / "m.json"
+    router = routing.MatmulRouter(lambda: WEIGHTS, repeats=2, store=RouteStore(path))
+    with pytest.warns(UserWarning, match="not stored"):
+        _route(router, 3)
+    assert {row["choice"] for row in router.table()} == {"wxt@4"} and not path.exists()
+    # power: the same measurements on quiet CPUs are stored
+    monkeypatch.setattr(LoadWatch, "other_cores", lambda self: 0.05)
+    _route(routing.MatmulRouter(lambda: WEIGHTS, repeats=2, store=RouteStore(path)), 3)
+    assert {e["choice"] for e in json.loads(path.read_text())["products"].values()} == {"wxt@4"}
 
 
 def test_a_damaged_store_is_set_aside_and_rebuilt(tmp_path):

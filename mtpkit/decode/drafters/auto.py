@@ -203,7 +203,7 @@ class AutoDrafter:
         store = self.router.store
         if self.store_key is not None and store is not None and (costs.moved() or store.get("steps", self.store_key)
                                                                  is None):  # seeded from the other kind
-            store.put("steps", {self.store_key: costs.record()})
+            self.router.keep("steps", {self.store_key: costs.record()})
 
 
 def build(setup: DraftSetup, drafter):

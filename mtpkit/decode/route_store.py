@@ -74,7 +74,7 @@ def _busy_ticks(cpus: set[int]) -> int | None:
 
 class LoadWatch:
     """Whether other processes have been sharing this process's CPUs: the CPU time those CPUs spent on anything but
-    this process (a VM's steal included) per second, i.e. in cores, over the last LOAD_WINDOW seconds or more (from
+    this process and its children (a VM's steal included) per second, i.e. in cores, over the last LOAD_WINDOW seconds or more (from
     the newest reading that old, else the first). Linux only: elsewhere every measurement counts as quiet."""
 
     def __init__(self):
@@ -87,7 +87,8 @@ class LoadWatch:
         ticks = _busy_ticks(self.cpus)
         if ticks is None:
             return None
-        reading = (time.perf_counter(), ticks, time.process_time())
+        t = os.times()  # this process's CPU time and its finished children's (the kernel build's ninja check)
+        reading = (time.perf_counter(), ticks, t.user + t.system + t.children_user + t.children_system)
         self.readings.append(reading)
         return reading
 

@@ -74,8 +74,9 @@ def _busy_ticks(cpus: set[int]) -> int | None:
 
 class LoadWatch:
     """Whether other processes have been sharing this process's CPUs: the CPU time those CPUs spent on anything but
-    this process and its children (a VM's steal included) per second, i.e. in cores, over the last LOAD_WINDOW seconds or more (from
-    the newest reading that old, else the first). Linux only: elsewhere every measurement counts as quiet."""
+    this process and its children (a VM's steal included) per second, i.e. in cores, over the last LOAD_WINDOW
+    seconds or more (from the newest reading that old, else the first). Linux only: elsewhere every measurement
+    counts as quiet."""
 
     def __init__(self):
         self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
@@ -99,7 +100,8 @@ class LoadWatch:
         now = self.read()
         if base is None or now is None or now[0] <= base[0]:
             return None
-        others = (now[1] - base[1]) * self.tick - (now[2] - base[2]) - 2 * self.tick  # ticks count to +-1 each end
+        # every counter is in whole ticks: each CPU's and this process's can be one off at each end of the window
+        others = (now[1] - base[1]) * self.tick - (now[2] - base[2]) - 2 * (len(self.cpus) + 1) * self.tick
         return max(others, 0.0) / (now[0] - base[0])
 
     def quiet(self) -> bool:

@@ -18,6 +18,7 @@ command or function, logged to OUT/log.txt; a rerun with the same OUT resumes ev
     python scripts/gpu_head.py --out /tmp/gpu_head_tiny --device cpu --tiny  # a check of the script on CPU
     python scripts/gpu_head.py --out OUT --device cpu --budget 6600        # the recipe at a CPU's scale
     python scripts/gpu_head.py --out OUT --device cpu --measure new=HEAD   # the measure stage alone: shipped vs HEAD
+    python scripts/gpu_head.py --out OUT --device cpu --no-shipped --measure a=HEAD_A b=HEAD_B   # two heads alone
 
 Every stage stops in time: distillation takes --max-minutes, training is sent SIGTERM at its share of the budget
 (it checkpoints and stops), and the measurements take what is left. The long prompts are built (reading installed
@@ -188,7 +189,7 @@ def train(job: Job, features: list[Path], seconds: float, device: str, size: dic
 def measure(job: Job, heads: dict[str, Path], device: str, size: dict) -> dict:
     """Mean acceptance length at k = 1 and 3 (chain, greedy) per held-out set and context length, for each head,
     with its standard error over prompts and the tokens kept per step of every prompt; then each head against the
-    first (the shipped one), paired over the same prompts (`bench/acceptance_se.py`)."""
+    first (the shipped one, unless --no-shipped), paired over the same prompts (`bench/acceptance_se.py`)."""
     tok = load_tokenizer(default_gguf_path())  # the heads sit on one trunk: its prompts are tokenized once
     sets = {f: encode_prompts(read_prompts(resource(f))[: size["limit"] or None], tok) for f in HELD_OUT}
     by_length = context_prompts(python_docs(), tok, list(size["contexts"]), size["limit"] or 8)
@@ -232,12 +233,16 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="= --size tiny: a few prompts and steps, checks the script")
     ap.add_argument("--measure", nargs="+", metavar="NAME=HEAD", help="only the measure stage, of the shipped head "
                     "and these (a head trained elsewhere, e.g. on a CPU), into OUT/summary.json")
+    ap.add_argument("--no-shipped", action="store_true", help="with --measure: leave the shipped head out (its "
+                    "figures do not change run to run); the others are paired against the first given")
     ap.add_argument("--eval-tokens", type=int, help="new tokens a prompt in the measure stage (default: the size's)")
     ap.add_argument("--eval-batch", type=int, help="prompts decoded together in the measure stage")
     args = ap.parse_args()
     pairs = [spec.partition("=") for spec in args.measure or ()]
     if any(not name or not head for name, _, head in pairs):
         ap.error("--measure takes NAME=HEAD pairs, e.g. new=runs/head.safetensors")
+    if args.no_shipped and not pairs:
+        ap.error("--no-shipped goes with --measure NAME=HEAD ...")
     size = dict(SIZES["tiny" if args.tiny else args.size or ("gpu" if args.device == "cuda" else "cpu")])
     size.update({k: v for k, v in (("eval_tokens", args.eval_tokens), ("eval_batch", args.eval_batch)) if v})
     out = Path(args.out)
@@ -249,7 +254,8 @@ def main() -> int:
     summary["torch"] = torch.__version__
     job.log(f"start: {summary['device']}, budget {args.budget:.0f} s")
     if args.measure:
-        heads = {"shipped": SHIPPED, **{name: Path(head) for name, _, head in pairs}}
+        heads = {} if args.no_shipped else {"shipped": SHIPPED}
+        heads.update({name: Path(head) for name, _, head in pairs})
         summary["acceptance"] = measure(job, heads, args.device, size)
         summary_path.write_text(json.dumps(summary, indent=1))
         return 0

@@ -43,7 +43,8 @@ def add_parser(sub) -> None:
                         "the run, with no `mtpkit features` pass; shards kept in OUT.hidden/ (H x 2 bytes a token; "
                         "keep them until the last run: each run rebuilds DIR from every record's shard)")
     p.add_argument("--topk", type=int, default=0,
-                   help="with --features: also keep the top-k next-token log-probabilities (mtp.head_loss = 'soft')")
+                   help="with --features: also keep the top-k next-token log-probabilities (mtp.head_loss = 'soft' "
+                        "or 'greedy')")
     p.add_argument("--max-minutes", type=float,
                    help="start no new batch after this many minutes (the run resumes later where it stopped)")
     p.add_argument("--word-share", type=float, default=0.0,

@@ -13,7 +13,7 @@ def add_parser(sub) -> None:
                                                                 "mtpkit distill writes")
     p.add_argument("--out", required=True, help="features directory (created; rerun the command to resume)")
     p.add_argument("--topk", type=int, default=0, help="also store the top-k next-token log-probabilities "
-                                                       "(needed by mtp.head_loss = 'soft'); 0: none")
+                                                       "(needed by mtp.head_loss = 'soft' or 'greedy'); 0: none")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="storage of the hidden states")
     p.add_argument("--compute", choices=["auto", "bfloat16", "autocast", "float32"], default="auto",
                    help="trunk precision: bf16 weights (SmolLM2: hidden within 1.3%% of fp32, same top-1 at 96.7%% "

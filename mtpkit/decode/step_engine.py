@@ -111,7 +111,8 @@ class StepEngine:
         """A cleared decode cache of at least `slots` slots (whole CACHE_BLOCKs), reused from an earlier call of the
         same size with its graphs, and bound."""
         w = self.model.output_weight
-        key = (batch, -(-slots // CACHE_BLOCK) * CACHE_BLOCK)
+        # the weights' dtype and device too: a model moved or cast after a call gets a cache of its own kind
+        key = (batch, -(-slots // CACHE_BLOCK) * CACHE_BLOCK, w.dtype, w.device)
         kept = self._kept.pop(key, None)
         if kept is None:
             kept = _Graphs(Cache(self.model.config, batch, key[1], w.dtype, w.device))

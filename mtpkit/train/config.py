@@ -50,7 +50,9 @@ class MTPSection:
     depth_curriculum: list[list[int]] | None = None  # [[step, depths], ...]: number of trained depths from that step on
     ce_chunk_tokens: int = 2048  # cross-entropy chunk: logits of at most this many tokens exist at once
     # "hard": CE on the data's tokens | "soft": CE against the trunk's stored top-k distribution at the target
-    # (the rest of its mass as one bucket; EAGLE-3 / Medusa-2 self-distillation), needs data.mode = "features"
+    # (the rest of its mass as one bucket; EAGLE-3 / Medusa-2 self-distillation) | "greedy": CE on the trunk's
+    # stored top-1 there (what greedy verification accepts, also on text the trunk did not write); the last two
+    # need data.mode = "features" built with --topk
     head_loss: str = "hard"
     # MTP CE over the N most frequent target ids of the training data (FR-Spec); 0: over the ids the checkpoint's
     # head drafts from if it has them (draft_vocab.json), else over the full vocabulary
@@ -205,7 +207,7 @@ _CHOICES = {
     ("mtp", "kind"): ("sequential", "parallel"),
     ("data", "format"): ("auto", "text", "jsonl", "parquet"),
     ("data", "mode"): ("pretrain", "sft", "tokens", "features"),
-    ("mtp", "head_loss"): ("hard", "soft"),
+    ("mtp", "head_loss"): ("hard", "soft", "greedy"),
     ("data", "text_split"): ("file", "paragraph", "line"),
     ("train", "autocast"): ("auto", "bf16", "fp32"),
     ("train", "device"): ("auto", "cpu", "cuda"),
@@ -345,9 +347,9 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.mtp.init_from is not None and (cfg.mtp.init != "checkpoint" or cfg.model.path is None):
         raise ConfigKeyError("mtp.init_from (a head file to start from) goes with mtp.init = 'checkpoint' and a "
                              "model.path")
-    if cfg.mtp.head_loss == "soft" and cfg.data.mode != "features":
-        raise ConfigKeyError("mtp.head_loss = 'soft' needs the trunk's stored top-k: data.mode = 'features' with "
-                             "features built by `mtpkit features --topk K`")
+    if cfg.mtp.head_loss != "hard" and cfg.data.mode != "features":
+        raise ConfigKeyError(f"mtp.head_loss = {cfg.mtp.head_loss!r} needs the trunk's stored top-k: data.mode = "
+                             "'features' with features built by `mtpkit features --topk K`")
     if cfg.train.eval_every and not cfg.data.val_docs:
         raise ConfigKeyError("train.eval_every needs held-out documents: set data.val_docs")
     if cfg.log.every < 1:

@@ -140,19 +140,22 @@ def head_ce(h: Tensor, t: Tensor, depth: int, batch: dict, weight: Tensor, cfg: 
             remap: Tensor | None) -> tuple[Tensor, Tensor]:
     """(CE sum, correct top-1) of one head's rows h [B, T-d, H] against t [B, T-d] (depth 0: the main head; the
     sequential MTP's depth d or parallel head d otherwise). MTP depths: a
-    hard CE on t or, with head_loss = "soft", a soft CE on the trunk's stored top-k at the target (row i + d);
+    hard CE on t or, with head_loss = "soft", a soft CE on the trunk's stored top-k at the target (row i + d), or
+    with "greedy" a hard CE on the trunk's stored top-1 there (where t is a target);
     with a draft vocabulary (weight: its rows; remap: id -> its column, -1 outside), over its columns only: a
     target outside it adds no loss (nothing can score it) but stays a valid target that counts as wrong."""
+    if depth and cfg.head_loss in ("soft", "greedy") and "topk_ids" not in batch:
+        raise ValueError(f"mtp.head_loss = {cfg.head_loss!r} needs the trunk's top-k: rebuild the features with "
+                         "`mtpkit features --topk K`")
     h, t = h.reshape(-1, h.shape[-1]), t.reshape(-1)
     valid = t != IGNORE
+    if depth and cfg.head_loss == "greedy":  # the trunk's own top-1 at row i + d, where the data's token counts
+        t = torch.where(valid, batch["topk_ids"][:, depth:, 0].reshape(-1), IGNORE)
     cols = t
     if depth and remap is not None:
         inside = torch.where(valid, remap[t.clamp(min=0)], -1)
         cols = torch.where(inside >= 0, inside, IGNORE)
     if depth and cfg.head_loss == "soft":
-        if "topk_ids" not in batch:
-            raise ValueError("mtp.head_loss = 'soft' needs the trunk's top-k: rebuild the features with "
-                             "`mtpkit features --topk K`")
         k = batch["topk_ids"].shape[-1]
         ids, logprobs = batch["topk_ids"][:, depth:].reshape(-1, k), batch["topk_logprobs"][:, depth:].reshape(-1, k)
         if remap is not None:

@@ -258,6 +258,11 @@ def test_features_mode_needs_mtp_only_and_the_trunk_it_came_from(tiny, tmp_path)
         config_from_dict(raw)
     with pytest.raises(ConfigKeyError, match="go together"):
         config_from_dict(_raw(model_dir, tmp_path / "run", mode="features"))
+    for loss in ("soft", "greedy"):  # the trunk's top-k comes from features only
+        raw = _raw(model_dir, tmp_path / "run", mode="tokens")
+        raw["mtp"]["head_loss"] = loss
+        with pytest.raises(ConfigKeyError, match=f"'{loss}' needs the trunk's stored top-k"):
+            config_from_dict(raw)
     torch.manual_seed(1)
     build_features(build_model(TINY_LLAMA), tok, records, tmp_path / "f", progress=False)
     with pytest.raises(ValueError, match="built from another model"):

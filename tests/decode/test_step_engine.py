@@ -50,6 +50,14 @@ def test_caches_are_reused_cleared_and_bounded(model):
     assert engine._bound.cache is cache and again.tokens == first.tokens
 
 
+def test_a_model_cast_after_a_call_gets_a_cache_of_its_dtype(tmp_path):
+    model = tiny_mtp_model("llama", tmp_path)
+    run(model, "static", draft_tokens=2)
+    model.to(torch.bfloat16)  # in place: the same model, so the same engine and its kept fp32 cache
+    assert run(model, "static", draft_tokens=2).tokens == run(model, "eager", draft_tokens=2).tokens
+    assert StepEngine.of(model, "static", 3)._bound.cache.layers[0].k.dtype == torch.bfloat16
+
+
 def test_bad_engine_is_one_clear_error(model):
     with pytest.raises(ValueError, match="engine must be one of"):
         run(model, "fast")

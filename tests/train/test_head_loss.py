@@ -107,6 +107,31 @@ def test_soft_loss_in_compute_loss_targets_the_trunk_at_row_i_plus_d():
         assert abs(float(shifted[valid].mean()) - out.per_depth[d - 1]) > 1e-3
 
 
+def test_greedy_loss_is_hard_ce_on_the_trunks_top1_at_row_i_plus_d():
+    model = _tiny_with_head()
+    batch = _features_batch(model)
+    g = torch.Generator().manual_seed(1)
+    top1 = torch.randint(0, model.config.vocab_size, batch["input_ids"].shape, generator=g)  # the trunk's argmax
+    batch.update(topk_ids=top1[..., None], topk_logprobs=torch.zeros(*top1.shape, 1))
+    cfg = MTPSection(depth=2, weights=[0.6, 0.4], only=True, head_loss="greedy")
+    out = compute_loss(model, batch, cfg)
+    hard = compute_loss(model, batch, MTPSection(depth=2, weights=[0.6, 0.4], only=True))
+    with torch.no_grad():
+        embeds = model.embed(batch["input_ids"])
+        pos = torch.arange(20).expand(2, 20) - torch.where(batch["segment_ids"] == 1, 10, 0)
+        mtp_hidden = model.mtp_teacher_forced(embeds, batch["hidden"], pos, batch["segment_ids"], 2)
+    for d, h in enumerate(mtp_hidden, 1):
+        valid = mtp_targets(batch["labels"], batch["segment_ids"], d) != IGNORE  # the data's targets say where
+        logits = model.logits(h)
+        ce = F.cross_entropy(logits[valid], top1[:, d:][valid], reduction="sum")
+        assert out.per_depth[d - 1] == pytest.approx(float(ce) / int(valid.sum()), rel=1e-5)
+        assert out.accuracy[d - 1] == pytest.approx(float((logits.argmax(-1) == top1[:, d:])[valid].float().mean()))
+        assert abs(hard.per_depth[d - 1] - out.per_depth[d - 1]) > 1e-2  # power check: not the data's tokens
+    del batch["topk_ids"]
+    with pytest.raises(ValueError, match="--topk"):
+        compute_loss(model, batch, cfg)
+
+
 def test_ce_over_a_draft_vocabulary_equals_the_subset_reference():
     model = _tiny_with_head()
     batch = _features_batch(model)

@@ -21,7 +21,8 @@ def build_data(cfg_data, tokenizer, mtp_depth: int, processor=None) -> PackedDat
     """DataSection + tokenizer -> PackedData (documents shorter than mtp_depth + 2 tokens are dropped); with
     data.val_docs, that many documents are held out in `.val` (packed in order, never trained on). With
     data.images, records carry images (see `mtpkit.data.images`) and `processor` is the checkpoint's.
-    data.mode = "features" reads the records of a features directory instead (`mtpkit.data.features`)."""
+    data.mode = "features" reads the records of a features directory instead (`mtpkit.data.features`). With
+    data.train_on_inputs every token is a target."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     packing = dict(min_doc_tokens=mtp_depth + 2, whole=cfg_data.whole_documents)
     make, common = PackedData, dict(pad_id=pad, **packing)
@@ -31,6 +32,8 @@ def build_data(cfg_data, tokenizer, mtp_depth: int, processor=None) -> PackedDat
         make, common = FeaturesData, dict(store=store, pad_token=pad, **packing)
     else:
         docs, vision, files = _read_documents(cfg_data, tokenizer, processor)
+    if cfg_data.train_on_inputs:
+        docs = [(ids, None) for ids, _ in docs]
     if not docs:
         names = ", ".join(str(f) for f in files[:4]) + (" ..." if len(files) > 4 else "")
         raise DataError(f"no documents in the training data ({names}): the files are empty")

@@ -206,7 +206,7 @@ class FeaturesData(PackedData):
 
     def target_ids(self) -> np.ndarray:
         ids = self.store.input_ids
-        return np.concatenate([ids[d][m] for d, m in self.docs])
+        return np.concatenate([ids[d] if m is None else ids[d][m] for d, m in self.docs])
 
     def rows(self, start: int, n: int) -> dict[str, torch.Tensor]:
         batch = super().rows(start, n)

@@ -129,6 +129,9 @@ class DataSection:
     # pack documents whole: none spans two rows (rows end in padding; a longer one is refused), so every target's
     # MTP attention sees its document from the start (distilled records of a prompt and its continuation)
     whole_documents: bool = False
+    # every token a target, the records' loss masks (prompts, user turns) set aside (axolotl's train_on_inputs); with
+    # mtp.head_loss = "greedy" a head then learns the trunk's own next tokens over the prompts too
+    train_on_inputs: bool = False
 
 
 @dataclass
@@ -342,6 +345,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigKeyError("data.images needs data.mode = 'pretrain' or 'sft' (pre-tokenized data has no images)")
     if (cfg.data.mode == "features") != (cfg.data.features is not None):
         raise ConfigKeyError("data.mode = 'features' and data.features = DIR (from `mtpkit features`) go together")
+    if cfg.data.train_on_inputs and cfg.data.images:
+        raise ConfigKeyError("data.train_on_inputs would make image placeholder tokens targets: set it false for "
+                             "image data")
     if cfg.data.mode == "features" and not cfg.mtp.only:
         raise ConfigKeyError("data.mode = 'features' trains the MTP head alone on a frozen trunk: set mtp.only = true")
     if cfg.mtp.init_from is not None and (cfg.mtp.init != "checkpoint" or cfg.model.path is None):

@@ -170,6 +170,9 @@ def test_pretokenized_records_keep_ids_and_loss_mask(tmp_path):
     assert rows["input_ids"][0].tolist() == [5, 6, 7, 8, 9, 10, 11, 12, 13]
     assert rows["segment_ids"][0].tolist() == [0] * 5 + [1] * 4
     assert rows["loss_mask"][0].tolist() == [False, False, True, True, True, True, True, True, True]
+    cfg.train_on_inputs = True  # the prompt's tokens become targets too
+    every = build_data(cfg, make_tokenizer(tmp_path), mtp_depth=1)
+    assert every.rows(0, 1)["loss_mask"][0].all() and sorted(every.target_ids()) == list(range(5, 14))
     (tmp_path / "bad.jsonl").write_text(json.dumps({"input_ids": [1, 2, 3], "loss_mask": [1]}) + "\n")
     with pytest.raises(DataError, match="3 input_ids but 1 loss_mask"):
         build_data(DataSection(paths=[str(tmp_path / "bad.jsonl")], mode="tokens"), make_tokenizer(tmp_path), 1)

@@ -197,6 +197,24 @@ def test_training_on_features_takes_the_same_steps_as_with_the_trunk(tiny, tmp_p
     assert abs(wrong[0]["mtp_loss"][0] - online[0]["mtp_loss"][0]) > 1e-3
 
 
+def test_train_on_inputs_makes_every_stored_token_a_target(tiny, tmp_path):
+    from mtpkit.data.build import build_data
+    from mtpkit.train.config import DataSection
+
+    model_dir, records, tok = tiny
+    build_features(_trunk(model_dir), tok, records, tmp_path / "f", progress=False)
+    ids = [json.loads(line)["input_ids"] for line in records.read_text().splitlines()]
+    for every in (False, True):
+        cfg = DataSection(mode="features", features=str(tmp_path / "f"), seq_len=80, whole_documents=True,
+                          train_on_inputs=every)
+        data = build_data(cfg, tok, mtp_depth=3)
+        targets = int(data.rows(0, data.rows_per_epoch)["loss_mask"].sum())  # each record once, whole
+        if every:  # the prompts' tokens are targets too
+            assert targets == sum(map(len, ids)) and sorted(data.target_ids().tolist()) == sorted(sum(ids, []))
+        else:
+            assert targets == len(data.target_ids()) < sum(map(len, ids))
+
+
 def test_records_packed_whole_train_on_features_as_with_the_trunk(tiny, tmp_path):
     """data.whole_documents: records of 8-69 tokens never straddle a row, so the stored features (computed over
     whole records) are what the online trunk computes in training, and the two take the same steps."""

@@ -78,6 +78,8 @@ def test_types_choices_and_cross_checks(cfg_file):
         load_config(cfg_file, ["--model.path=x"])
     with pytest.raises(ConfigKeyError, match="seq_len > depth"):
         load_config(cfg_file, ["--data.seq_len=3"])
+    with pytest.raises(ConfigKeyError, match="image placeholder tokens targets"):
+        load_config(cfg_file, ["--data.train_on_inputs=true", "--data.images=true"])
     with pytest.raises(ConfigKeyError, match="set model.path"):
         config_from_dict({})
     with pytest.raises(FileNotFoundError):

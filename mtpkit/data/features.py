@@ -145,6 +145,13 @@ class FeatureStore:
             out["topk_logprobs"] = torch.from_numpy(self._topk_logprobs[rows])
         return out
 
+    def top1(self, rows: np.ndarray) -> np.ndarray:
+        """The trunk's greedy next token after each of the global rows [n] (needs features built with --topk)."""
+        if not self.topk:
+            raise DataError(f"{self.root} holds no top-k, which mtp.head_loss = 'greedy' needs: rebuild the features "
+                            "with `mtpkit features --topk K`")
+        return np.asarray(self._topk_ids[rows, 0], dtype=np.int64)
+
 
 class FeatureStores:
     """One or more features directories read as one (data.features = [DIR, ...]): e.g. the features kept by
@@ -191,6 +198,14 @@ class FeatureStores:
                 out[key][torch.from_numpy(at)] = value
         return out
 
+    def top1(self, rows: np.ndarray) -> np.ndarray:
+        which = np.searchsorted(self.bases, rows, side="right") - 1
+        out = np.empty(len(rows), dtype=np.int64)
+        for i in np.unique(which):
+            at = which == i
+            out[at] = self.parts[i].top1(rows[at] - self.bases[i])
+        return out
+
 
 class FeaturesData(PackedData):
     """PackedData over a features directory: documents are row ranges of the store, packed exactly like token
@@ -207,6 +222,12 @@ class FeaturesData(PackedData):
     def target_ids(self) -> np.ndarray:
         ids = self.store.input_ids
         return np.concatenate([ids[d] if m is None else ids[d][m] for d, m in self.docs])
+
+    def greedy_target_ids(self) -> np.ndarray:
+        """What mtp.head_loss = "greedy" trains toward at each target: the trunk's top-1 after the row before it
+        (the first token of a record has no row before it and is no target)."""
+        before = [d[:-1] if m is None else d[:-1][m[1:]] for d, m in self.docs]
+        return self.store.top1(np.concatenate(before))
 
     def rows(self, start: int, n: int) -> dict[str, torch.Tensor]:
         batch = super().rows(start, n)

@@ -54,8 +54,9 @@ class MTPSection:
     # stored top-1 there (what greedy verification accepts, also on text the trunk did not write); the last two
     # need data.mode = "features" built with --topk
     head_loss: str = "hard"
-    # MTP CE over the N most frequent target ids of the training data (FR-Spec); 0: over the ids the checkpoint's
-    # head drafts from if it has them (draft_vocab.json), else over the full vocabulary
+    # MTP CE over the N most frequent target ids of the training data (FR-Spec; with head_loss = "greedy", of the
+    # trunk's top-1 at the targets); 0: over the ids the checkpoint's head drafts from if it has them
+    # (draft_vocab.json), else over the full vocabulary
     draft_vocab: int = 0
 
     def __post_init__(self):

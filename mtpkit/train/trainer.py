@@ -131,8 +131,8 @@ class Trainer:
         if cfg.data.mode == "features":
             data.store.check_model(model)
         if cfg.mtp.draft_vocab:  # the head's CE runs over these ids, and the exported head drafts from them
-            model.drafter.draft_vocab = draft_vocabulary(data.target_ids(), cfg.mtp.draft_vocab,
-                                                         model.config.vocab_size)
+            targets = data.greedy_target_ids() if cfg.mtp.head_loss == "greedy" else data.target_ids()
+            model.drafter.draft_vocab = draft_vocabulary(targets, cfg.mtp.draft_vocab, model.config.vocab_size)
         elif model.drafter is not None and model.drafter.draft_vocab is not None:
             if cfg.parallel.tp > 1:
                 raise ValueError(f"the checkpoint's head drafts from {len(model.drafter.draft_vocab)} ids (its "

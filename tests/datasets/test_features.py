@@ -215,6 +215,52 @@ def test_train_on_inputs_makes_every_stored_token_a_target(tiny, tmp_path):
             assert targets == len(data.target_ids()) < sum(map(len, ids))
 
 
+def test_greedy_targets_are_the_trunks_top1_before_each_target_and_choose_the_draft_vocabulary(tiny, tmp_path):
+    """With mtp.head_loss = "greedy" the head learns the trunk's top-1 at each target, so mtp.draft_vocab counts
+    those ids (not the data's tokens): checked against the trunk's own argmax, over two directories, with the
+    prompts as targets too, and through a training run's exported vocabulary."""
+    from mtpkit.checkpoint.hf import read_draft_vocab
+    from mtpkit.data.build import build_data
+    from mtpkit.train.config import DataSection
+    from mtpkit.train.draft_vocab import draft_vocabulary
+    from mtpkit.train.trainer import train
+
+    model_dir, records, tok = tiny
+    lines = records.read_text().splitlines(keepends=True)
+    (tmp_path / "a.jsonl").write_text("".join(lines[:10]))
+    (tmp_path / "b.jsonl").write_text("".join(lines[10:]))
+    trunk = _trunk(model_dir)
+    for name in ("a", "b"):
+        build_features(trunk, tok, tmp_path / f"{name}.jsonl", tmp_path / name, topk=2, hidden_dtype="float32",
+                       compute="float32", progress=False)
+    recs = [json.loads(line) for line in lines]
+    want = {False: [], True: []}
+    for rec in recs:
+        with torch.no_grad():
+            top1 = trunk(torch.tensor([rec["input_ids"]])).logits[0].argmax(-1).tolist()
+        want[True] += top1[:-1]  # every token after the first
+        want[False] += [t for t, m in zip(top1[:-1], rec["loss_mask"][1:]) if m]
+    parts = [str(tmp_path / "a"), str(tmp_path / "b")]
+    for every in (False, True):
+        data = build_data(DataSection(mode="features", features=parts, seq_len=80, whole_documents=True,
+                                      train_on_inputs=every), tok, mtp_depth=3)
+        got = data.greedy_target_ids()
+        assert sorted(got.tolist()) == sorted(want[every])
+        assert sorted(got.tolist()) != sorted(data.target_ids().tolist())  # power: the data's own tokens differ
+
+    raw = _raw(model_dir, tmp_path / "run", mode="features", features=parts, seq_len=80, whole_documents=True)
+    raw["mtp"].update(head_loss="greedy", draft_vocab=16)
+    raw["train"].update(steps=1, eval_every=0)
+    raw["data"]["val_docs"] = 0
+    train(config_from_dict(raw))
+    assert read_draft_vocab(tmp_path / "run", 320).tolist() == draft_vocabulary(want[False], 16, 320).tolist()
+
+    build_features(trunk, tok, tmp_path / "a.jsonl", tmp_path / "plain", progress=False)
+    data = build_data(DataSection(mode="features", features=str(tmp_path / "plain"), seq_len=80), tok, mtp_depth=3)
+    with pytest.raises(DataError, match="holds no top-k.*--topk K"):
+        data.greedy_target_ids()
+
+
 def test_records_packed_whole_train_on_features_as_with_the_trunk(tiny, tmp_path):
     """data.whole_documents: records of 8-69 tokens never straddle a row, so the stored features (computed over
     whole records) are what the online trunk computes in training, and the two take the same steps."""

@@ -1,15 +1,20 @@
 """The next SmolLM2 head, grown on one GPU in one prepared, time-boxed job (docs/MTP.md section 6, "long inputs").
 
-The shipped head drafts poorly after long inputs: its records were a short prompt and 128 new tokens. This job
-warm-starts it on the model's own continuations of short prompts and of long-input prompts (documents and code files
-of 500-4,000 tokens: `mtpkit distill --long-share`), packed whole so that the MTP attention sees each record's whole
-prompt, and measures the shipped and the new head side by side on prompts no distillation saw. Stages, each a mtpkit
-command or function, logged to OUT/log.txt; a rerun with the same OUT resumes every stage:
+The shipped head's recipe (configs/smollm2_mtp_head.toml) at a GPU's scale: it warm-starts the shipped head on the
+model's own continuations of short prompts and of long-input prompts (documents and code files of 500-4,000 tokens:
+`mtpkit distill --long-share`) and on long training-side documents read whole (`python -m mtpkit.datasets.documents`,
+no generation), packed whole so that the MTP attention sees each record's whole prompt, toward the trunk's own greedy
+token at every target (`mtp.head_loss = "greedy"`), and measures the shipped and the new head side by side on
+prompts no training data held. Stages, each a mtpkit command or function, logged to OUT/log.txt; a rerun with the
+same OUT resumes every stage:
 
   profile   (GPU, --tiny) one distillation batch, eager against fixed-shape (CUDA-graph) steps: ms per step, the
             top kernels
-  distill   short prompts, then long-input prompts (--batch-tokens caps their batches), features kept
-  train     the shipped head, one epoch-ish on both feature sets, records whole in rows of the longest
+  distill   short prompts, then long-input prompts (--batch-tokens caps their batches), features and the trunk's
+            top-1 kept
+  documents the trunk's features and top-1 over the documents (--docs: records built elsewhere, e.g. on the machine
+            the held-out document chats were drawn on; else built here)
+  train     the shipped head, one epoch-ish on the three feature sets, records whole in rows of the longest
   export    OUT/head.safetensors (bf16, with its draft vocabulary)
   measure   acceptance (k = 1 and 3, chain) of both heads on the held-out prompts, heldout2, the held-out
             document chats and a context sweep (128-4,096 tokens): OUT/summary.json
@@ -56,19 +61,19 @@ REPO = Path(__file__).resolve().parent.parent
 SHIPPED = resource("smollm2_mtp_head.safetensors")
 HELD_OUT = ("heldout_prompts.jsonl", "heldout2_prompts.jsonl", "doc_chat_heldout_prompts.jsonl")
 # shares of the budget (the rest: measuring); sizes of the GPU run, of a CPU run and of the script's check
-SHARES = {"distill_short": 0.27, "distill_long": 0.23, "train": 0.25}
+SHARES = {"distill_short": 0.25, "distill_long": 0.22, "documents": 0.03, "train": 0.25}
 SIZES = {
     "gpu": dict(short_prompts=200_000, long_prompts=20_000, batch=1024, long_batch=256, batch_tokens=1_500_000,
                 new_tokens=128, contexts=(128, 512, 2048, 4096), eval_tokens=128, eval_batch=40, limit=0,
-                train_batch=16, train_steps=400, lr=1e-3, warmup=10),
+                train_batch=16, train_steps=400, lr=1e-3, warmup=10, doc_tokens=1_500_000),
     # the same recipe at a 2-core CPU's scale (fp32); at lr 5e-4 its few short records let the head drift on short
     # prompts, at 2e-4 they held (docs/results/mix_head_cpu.txt)
     "cpu": dict(short_prompts=2_500, long_prompts=200, batch=64, long_batch=8, batch_tokens=32_000,
                 new_tokens=128, contexts=(128, 512, 2048, 4096), eval_tokens=64, eval_batch=10, limit=0,
-                train_batch=4, train_steps=40, lr=2e-4, warmup=3),
+                train_batch=4, train_steps=40, lr=2e-4, warmup=3, doc_tokens=300_000),
     "tiny": dict(short_prompts=8, long_prompts=4, batch=4, long_batch=2, batch_tokens=12_000, new_tokens=8,
                  contexts=(64, 256), eval_tokens=8, eval_batch=4, limit=2, train_batch=2, train_steps=2, lr=1e-3,
-                 warmup=1),
+                 warmup=1, doc_tokens=2_000),
 }
 
 
@@ -86,11 +91,11 @@ class Job:
         with self.log_path.open("a") as f:
             f.write(line + "\n")
 
-    def start(self, args: list[str]) -> subprocess.Popen:
-        """A mtpkit command in the background, its output appended to the log."""
-        self.log("$ mtpkit " + " ".join(args) + "  (in the background)")
+    def start(self, args: list[str], module: str = "mtpkit") -> subprocess.Popen:
+        """A mtpkit command (or another module's) in the background, its output appended to the log."""
+        self.log(f"$ python -m {module} " + " ".join(args) + "  (in the background)")
         with self.log_path.open("a") as f:
-            return subprocess.Popen([sys.executable, "-m", "mtpkit", *args], stdout=f, stderr=subprocess.STDOUT,
+            return subprocess.Popen([sys.executable, "-m", module, *args], stdout=f, stderr=subprocess.STDOUT,
                                     cwd=REPO)
 
     def run(self, args: list[str], seconds: float | None = None) -> int:
@@ -153,7 +158,7 @@ def distill_args(job: Job, name: str, args: list[str], minutes: float, device: s
     """`mtpkit distill` into OUT/NAME.jsonl and OUT/features_NAME, starting new batches for `minutes` (0: build and
     keep the prompt list only; a later run with the same arguments distils it)."""
     return ["distill", "--device", device, "--dtype", "float32", "--out", str(job.out / f"{name}.jsonl"),
-            "--features", str(job.out / f"features_{name}"), "--max-new-tokens", str(size["new_tokens"]),
+            "--features", str(job.out / f"features_{name}"), "--topk", "1", "--max-new-tokens", str(size["new_tokens"]),
             "--engine", engine, "--max-minutes", f"{minutes:.2f}", *args]
 
 
@@ -167,12 +172,28 @@ def longest_record(*records: Path) -> int:
                if line.strip())
 
 
-def train(job: Job, features: list[Path], seconds: float, device: str, size: dict) -> Path:
-    run_dir = job.out / "train"
-    records = [f.parent / (f.name.removeprefix("features_") + ".jsonl") for f in features]
-    seq_len = -(-longest_record(*records) // 64) * 64  # rows hold the longest record whole, in whole blocks of 64
-    job.run(["train", str(REPO / "configs/smollm2_mtp_head.toml"), "--mtp.init=checkpoint",
-             f"--mtp.init_from={SHIPPED}", "--data.features=" + json.dumps([str(f) for f in features]),
+def documents_stage(job: Job, docs: Path, building: subprocess.Popen | None, seconds: float, device: str) -> bool:
+    """The trunk's features and top-1 over the document records (waiting for their build); False when they are
+    not complete in `seconds`, and training goes on without them."""
+    if building is not None and building.wait() != 0 or not docs.is_file():
+        job.log(f"documents: no records at {docs}; training without them")
+        return False
+    rc = job.run(["features", "--records", str(docs), "--out", str(job.out / "features_docs"), "--topk", "1",
+                  "--compute", "float32", "--device", device], seconds)
+    if rc != 0:
+        job.log("documents: features incomplete (a rerun resumes them); training without them")
+    return rc == 0
+
+
+def train(job: Job, parts: dict[Path, Path], seconds: float, device: str, size: dict) -> Path | None:
+    """The shipped head trained on the feature directories `parts` (features -> the records they hold), in a run
+    directory of its own per set of parts (a rerun that adds the documents trains afresh, one with the same parts
+    resumes); None if training failed."""
+    run_dir = job.out / "_".join(["train"] + [f.name.removeprefix("features_") for f in parts])
+    seq_len = -(-longest_record(*parts.values()) // 64) * 64  # rows hold the longest record whole, in blocks of 64
+    rc = job.run(["train", str(REPO / "configs/smollm2_mtp_head.toml"), "--mtp.init=checkpoint",
+             f"--mtp.init_from={SHIPPED}", "--data.features=" + json.dumps([str(f) for f in parts]),
+             "--mtp.head_loss=greedy",
              f"--data.seq_len={seq_len}", "--data.whole_documents=true", f"--train.run_dir={run_dir}",
              f"--train.device={device}", "--train.autocast=" + ("bf16" if device == "cuda" else "fp32"),
              f"--train.steps={size['train_steps']}", f"--train.batch_size={size['train_batch']}",
@@ -180,8 +201,10 @@ def train(job: Job, features: list[Path], seconds: float, device: str, size: dic
              f"--checkpoint.every={max(1, size['train_steps'] // 8)}", f"--optim.warmup_steps={size['warmup']}",
              f"--optim.lr={size['lr']}", f"--optim.lr_mtp={size['lr']}", "--log.every=10", "--log.progress=false"],
             seconds)
-    head = job.out / "head.safetensors"
-    job.run(["export", str(run_dir), "--mtp-only", "--dtype", "bfloat16", "--out", str(head)])
+    head = job.out / "head.safetensors"  # 130: stopped at its share of the budget, its checkpoint saved
+    if rc not in (0, 130) or job.run(["export", str(run_dir), "--mtp-only", "--dtype", "bfloat16",
+                                                  "--out", str(head), "--overwrite"]):
+        return None
     return head
 
 
@@ -237,6 +260,8 @@ def main() -> int:
                     "figures do not change run to run); the others are paired against the first given")
     ap.add_argument("--eval-tokens", type=int, help="new tokens a prompt in the measure stage (default: the size's)")
     ap.add_argument("--eval-batch", type=int, help="prompts decoded together in the measure stage")
+    ap.add_argument("--docs", type=Path, help="document records to train on (python -m mtpkit.datasets.documents); "
+                    "default: built into OUT/docs.jsonl with the size's tokens")
     args = ap.parse_args()
     pairs = [spec.partition("=") for spec in args.measure or ()]
     if any(not name or not head for name, _, head in pairs):
@@ -270,6 +295,13 @@ def main() -> int:
     # prompts: the build takes the eager one
     build = distill_args(job, "long", long, 0, args.device, size, "eager")
     building = job.start(build) if args.device == "cuda" else None
+    docs = args.docs or out / "docs.jsonl"
+    docs_args = [str(docs), "--tokens", str(size["doc_tokens"]), "--seed", "1"]
+    docs_building = None
+    if not docs.is_file():  # a CPU read of every installed package's prose: beside the GPU's work, or in turn
+        docs_building = job.start(docs_args, module="mtpkit.datasets.documents")
+        if args.device != "cuda":
+            docs_building.wait()
     if "profile" not in summary and (args.device == "cuda" or args.tiny):  # a CPU distils eagerly: no profile
         summary["profile"] = profile(job, args.device, size)
         summary_path.write_text(json.dumps(summary, indent=1))
@@ -278,11 +310,17 @@ def main() -> int:
                          engine))
     job.log(f"long prompts built: rc={building.wait() if building else job.run(build)}")
     job.run(distill_args(job, "long", long, minutes_for(SHARES["distill_long"] * budget), args.device, size, engine))
-    for name in ("short", "long"):
-        meta = json.loads((out / f"features_{name}" / "meta.json").read_text())
-        summary[f"distilled_{name}"] = {k: meta.get(k) for k in ("records", "tokens")}
-    head = train(job, [out / "features_short", out / "features_long"], SHARES["train"] * budget, args.device, size)
+    parts = {out / f"features_{name}": out / f"{name}.jsonl" for name in ("short", "long")}
+    if documents_stage(job, docs, docs_building, SHARES["documents"] * budget, args.device):
+        parts[out / "features_docs"] = docs
+    for features in parts:
+        meta = json.loads((features / "meta.json").read_text())
+        summary[features.name] = {k: meta.get(k) for k in ("records", "tokens")}
+    head = train(job, parts, SHARES["train"] * budget, args.device, size)
     summary_path.write_text(json.dumps(summary, indent=1))
+    if head is None:
+        job.log("training or its export failed (the log above says why): no head to measure")
+        return 1
     summary["acceptance"] = measure(job, {"shipped": SHIPPED, "new": head}, args.device, size)
     summary["seconds"] = time.monotonic() - job.began
     summary_path.write_text(json.dumps(summary, indent=1))

@@ -4,13 +4,15 @@
 # model's 98 MB GGUF is too large for one command, so it travels in two halves, and each command does GPU work
 # meanwhile:
 #
-#   bash scripts/gpu_session.sh split        # here, once: the GGUF in halves under the git-ignored .gpu/, and
-#                                            #   fla's pure-Python wheels (no network there) under the git-ignored .whl/
+#   bash scripts/gpu_session.sh split        # here, once: the GGUF in halves under the git-ignored .gpu/, the
+#                                            #   head's training-side documents (.gpu/docs, 1.5 MB gzipped), and fla's
+#                                            #   pure-Python wheels (no network there) under the git-ignored .whl/
 #   bash scripts/gpu_session.sh check        # call 1, carry .gpu/half1 and .whl: keeps half 1 in /tmp/mtpkit, then
 #                                            #   the GPU check (docs/MTP.md "The GPU check"; fla from the wheels)
 #   bash scripts/gpu_session.sh alignment    # call 2, carry .gpu/half2: joins the GGUF, then the fine-tuning
 #                                            #   experiment (scripts/finetune_alignment.py, docs/MTP.md section 5)
-#   bash scripts/gpu_session.sh head         # or, in call 2 instead: the next head (scripts/gpu_head.py)
+#   bash scripts/gpu_session.sh head         # or, in call 2 instead, carry .gpu/half2 and .gpu/docs: the next head
+#                                            #   (scripts/gpu_head.py)
 #
 # Each stage runs under `timeout` so that what it finished is copied to $OUT (the folder whose files come back) even
 # when it overruns; the budgets below leave ~2 minutes of the 15 for the machine's start. Checked on a CPU with
@@ -25,9 +27,9 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1  # the logs are complete up to the moment a timeout stops a stage
 if [[ -n "${GPU_SESSION_TINY:-}" ]]; then
   CHECK=(--device cpu --tiny --budget 60); ALIGN=(--device cpu --size tiny --deadline-minutes 5)
-  HEAD=(--device cpu --tiny)
+  HEAD=(--device cpu --tiny); DOC_LINES=1
 else
-  CHECK=(--budget 200); ALIGN=(--device cuda --deadline-minutes 6); HEAD=(--budget 400)
+  CHECK=(--budget 200); ALIGN=(--device cuda --deadline-minutes 6); HEAD=(--budget 400); DOC_LINES=0
 fi
 
 case "$STAGE" in
@@ -35,8 +37,11 @@ case "$STAGE" in
     src=$($PY -c "from mtpkit.assets import default_gguf_path; print(default_gguf_path())")
     rm -rf .gpu/half1 .gpu/half2 && mkdir -p .gpu/half1 .gpu/half2
     split -n 2 -d "$src" .gpu/part && mv .gpu/part00 .gpu/half1/ && mv .gpu/part01 .gpu/half2/
+    # the documents are read here, on the side of the split the held-out document chats were not drawn from
+    rm -rf .gpu/docs && mkdir -p .gpu/docs
+    $PY -m mtpkit.datasets.documents .gpu/docs/docs.jsonl --tokens 1500000 --seed 1 && gzip -9 .gpu/docs/docs.jsonl
     rm -rf .whl && $PY -m pip download -q --no-deps --only-binary=:all: -d .whl "flash-linear-attention>=0.3" fla-core
-    du -sh .gpu/half1 .gpu/half2 .whl ;;
+    du -sh .gpu/half1 .gpu/half2 .gpu/docs .whl ;;
   check)
     mkdir -p "$CACHE" && cp .gpu/half1/part00 "$CACHE/"
     if ls .whl/*.whl > /dev/null 2>&1; then
@@ -57,7 +62,10 @@ case "$STAGE" in
       cp /tmp/alignment/{results.json,table.md,alignment.png} "$OUT/" 2>/dev/null || true
       tail -30 "$OUT/alignment.log"
     else
-      timeout 450 $PY scripts/gpu_head.py --out /tmp/gpu_head "${HEAD[@]}" > "$OUT/gpu_head.log" 2>&1 ||
+      if (( DOC_LINES )); then gunzip -c .gpu/docs/docs.jsonl.gz | head -n "$DOC_LINES" > /tmp/docs.jsonl
+      else gunzip -c .gpu/docs/docs.jsonl.gz > /tmp/docs.jsonl; fi
+      timeout 450 $PY scripts/gpu_head.py --out /tmp/gpu_head --docs /tmp/docs.jsonl "${HEAD[@]}" \
+        > "$OUT/gpu_head.log" 2>&1 ||
         echo "exited $?" >> "$OUT/gpu_head.log"
       cp /tmp/gpu_head/{head.safetensors,summary.json,log.txt} "$OUT/" 2>/dev/null || true
       tail -30 "$OUT/gpu_head.log"

@@ -228,7 +228,9 @@ def main(argv=None) -> None:
     if not records:
         p.error(f"no training-side document of {args.min_tokens}-{args.max_tokens} tokens in the installed packages: "
                 "lower --min-tokens")
-    args.out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp = args.out.with_name(args.out.name + ".tmp")  # a killed write leaves no half file under the final name
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp.replace(args.out)
     print(f"{len(records)} documents, {sum(len(r['input_ids']) for r in records)} tokens -> {args.out}")
 
 

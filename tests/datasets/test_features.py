@@ -351,3 +351,7 @@ def test_features_command_builds_resumes_and_reports_bad_input_in_one_line(tiny,
     err = capsys.readouterr().err.strip()
     assert "600 tokens, beyond the model's context of 512" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "f_long").exists()
+    if not torch.cuda.is_available():
+        assert main([*args, "--device", "cuda"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "--device cuda: no CUDA device is visible; use --device cpu" in err and len(err.splitlines()) == 1

@@ -176,7 +176,7 @@ def longest_record(*records: Path) -> int:
 def documents_stage(job: Job, docs: Path, building: subprocess.Popen | None, seconds: float, device: str) -> bool:
     """The trunk's features and top-1 over the document records (waiting for their build); False when they are
     not complete in `seconds`, and training goes on without them."""
-    if building is not None and building.wait() != 0 or not docs.is_file():
+    if (building is not None and building.wait() != 0) or not docs.is_file():
         job.log(f"documents: no records at {docs}; training without them")
         return False
     rc = job.run(["features", "--records", str(docs), "--out", str(job.out / "features_docs"), "--topk", "1",
@@ -193,20 +193,20 @@ def train(job: Job, parts: dict[Path, Path], seconds: float, device: str, size: 
     run_dir = job.out / "_".join(["train"] + [f.name.removeprefix("features_") for f in parts])
     seq_len = -(-longest_record(*parts.values()) // 64) * 64  # rows hold the longest record whole, in blocks of 64
     rc = job.run(["train", str(REPO / "configs/smollm2_mtp_head.toml"), "--mtp.init=checkpoint",
-             f"--mtp.init_from={SHIPPED}", "--data.features=" + json.dumps([str(f) for f in parts]),
-             "--mtp.head_loss=greedy",
-             f"--data.seq_len={seq_len}", "--data.whole_documents=true", f"--train.run_dir={run_dir}",
-             f"--train.device={device}", "--train.autocast=" + ("bf16" if device == "cuda" else "fp32"),
-             f"--train.steps={size['train_steps']}", f"--train.batch_size={size['train_batch']}",
-             f"--train.micro_batch_size={size['train_batch']}", "--train.eval_every=0", "--data.val_docs=0",
-             f"--checkpoint.every={max(1, size['train_steps'] // 8)}", f"--optim.warmup_steps={size['warmup']}",
-             f"--optim.lr={size['lr']}", f"--optim.lr_mtp={size['lr']}", "--log.every=10", "--log.progress=false"],
-            seconds)
-    head = job.out / "head.safetensors"  # 130: stopped at its share of the budget, its checkpoint saved
-    if rc not in (0, 130) or job.run(["export", str(run_dir), "--mtp-only", "--dtype", "bfloat16",
-                                                  "--out", str(head), "--overwrite"]):
+                  f"--mtp.init_from={SHIPPED}", "--data.features=" + json.dumps([str(f) for f in parts]),
+                  "--mtp.head_loss=greedy", f"--data.seq_len={seq_len}", "--data.whole_documents=true",
+                  f"--train.run_dir={run_dir}", f"--train.device={device}",
+                  "--train.autocast=" + ("bf16" if device == "cuda" else "fp32"),
+                  f"--train.steps={size['train_steps']}", f"--train.batch_size={size['train_batch']}",
+                  f"--train.micro_batch_size={size['train_batch']}", "--train.eval_every=0", "--data.val_docs=0",
+                  f"--checkpoint.every={max(1, size['train_steps'] // 8)}", f"--optim.warmup_steps={size['warmup']}",
+                  f"--optim.lr={size['lr']}", f"--optim.lr_mtp={size['lr']}", "--log.every=10",
+                  "--log.progress=false"], seconds)
+    if rc not in (0, 130):  # 130: stopped at its share of the budget, its checkpoint saved
         return None
-    return head
+    head = job.out / "head.safetensors"
+    rc = job.run(["export", str(run_dir), "--mtp-only", "--dtype", "bfloat16", "--out", str(head), "--overwrite"])
+    return head if rc == 0 else None
 
 
 @torch.inference_mode()

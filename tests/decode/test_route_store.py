@@ -87,6 +87,10 @@ def test_a_store_measured_under_load_is_measured_again(tmp_path, monkeypatch):
 def test_the_load_watch_sees_other_processes_and_not_its_own(monkeypatch):
     monkeypatch.setattr(route_store, "LOAD_LIMIT", 0.2)
     watch = LoadWatch()
+    time.sleep(0.6)
+    if watch.other_cores() > 0.2:  # another job on the machine: both checks below would measure it, not the watch
+        pytest.skip("other processes are using the CPUs: the load watch needs an otherwise idle machine")
+    watch = LoadWatch()
     end = time.perf_counter() + 1.2
     while time.perf_counter() < end:  # this process busy: not load
         pass

@@ -185,25 +185,28 @@ class FeatureStores:
     def documents(self) -> list[tuple[np.ndarray, np.ndarray]]:
         return [(rows + base, mask) for part, base in zip(self.parts, self.bases) for rows, mask in part.documents()]
 
+    def _by_part(self, rows: np.ndarray):
+        """Global rows [n] -> (part, positions in `rows` [m], the part's own rows [m]) for each part they touch."""
+        which = np.searchsorted(self.bases, rows, side="right") - 1
+        for i in np.unique(which):
+            at = np.nonzero(which == i)[0]
+            yield self.parts[i], at, rows[at] - self.bases[i]
+
     def gather(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
         if len(self.parts) == 1:
             return self.parts[0].gather(rows)
-        which = np.searchsorted(self.bases, rows, side="right") - 1
         out = {}
-        for i in np.unique(which):
-            at = np.nonzero(which == i)[0]
-            for key, value in self.parts[i].gather(rows[at] - self.bases[i]).items():
+        for part, at, local in self._by_part(rows):
+            for key, value in part.gather(local).items():
                 if key not in out:
                     out[key] = value.new_empty((len(rows), *value.shape[1:]))
                 out[key][torch.from_numpy(at)] = value
         return out
 
     def top1(self, rows: np.ndarray) -> np.ndarray:
-        which = np.searchsorted(self.bases, rows, side="right") - 1
         out = np.empty(len(rows), dtype=np.int64)
-        for i in np.unique(which):
-            at = which == i
-            out[at] = self.parts[i].top1(rows[at] - self.bases[i])
+        for part, at, local in self._by_part(rows):
+            out[at] = part.top1(local)
         return out
 
 

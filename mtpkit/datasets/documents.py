@@ -212,6 +212,7 @@ def training_records(sources: list[dict], tokenizer, tokens: int, min_tokens: in
 
 def main(argv=None) -> None:
     from ..assets import default_gguf_path
+    from ..checkpoint.safe_write import write_file
     from ..tokenizer import load_tokenizer
 
     p = argparse.ArgumentParser(description="training-side documents of the installed packages as token records")
@@ -228,9 +229,8 @@ def main(argv=None) -> None:
     if not records:
         p.error(f"no training-side document of {args.min_tokens}-{args.max_tokens} tokens in the installed packages: "
                 "lower --min-tokens")
-    tmp = args.out.with_name(args.out.name + ".tmp")  # a killed write leaves no half file under the final name
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    tmp.replace(args.out)
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    write_file(args.out, lambda tmp: tmp.write_text(text), overwrite=True)  # a killed write leaves no half file
     print(f"{len(records)} documents, {sum(len(r['input_ids']) for r in records)} tokens -> {args.out}")
 
 

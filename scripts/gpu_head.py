@@ -4,7 +4,7 @@ The shipped head's recipe (configs/smollm2_mtp_head.toml) at a GPU's scale: it w
 model's own continuations of short prompts and of long-input prompts (documents and code files of 500-4,000 tokens:
 `mtpkit distill --long-share`) and on long training-side documents read whole (`python -m mtpkit.datasets.documents`,
 no generation), packed whole so that the MTP attention sees each record's whole prompt, toward the trunk's own greedy
-token at every target (`mtp.head_loss = "greedy"`), and measures the shipped and the new head side by side on
+token at every position, prompt tokens included (`mtp.head_loss = "greedy"`, `data.train_on_inputs`), and measures the shipped and the new head side by side on
 prompts no training data held. Stages, each a mtpkit command or function, logged to OUT/log.txt; a rerun with the
 same OUT resumes every stage:
 
@@ -14,7 +14,7 @@ same OUT resumes every stage:
             top-1 kept
   documents the trunk's features and top-1 over the documents (--docs: records built elsewhere, e.g. on the machine
             the held-out document chats were drawn on; else built here)
-  train     the shipped head, one epoch-ish on the three feature sets, records whole in rows of the longest
+  train     the shipped head, one epoch-ish on the three feature sets (the short one twice), records whole in rows
   export    OUT/head.safetensors (bf16, with its draft vocabulary)
   measure   acceptance (k = 1 and 3, chain) of both heads on the held-out prompts, heldout2, the held-out
             document chats and a context sweep (128-4,096 tokens): OUT/summary.json
@@ -186,6 +186,12 @@ def documents_stage(job: Job, docs: Path, building: subprocess.Popen | None, sec
     return rc == 0
 
 
+def epoch_parts(parts: dict[Path, Path]) -> list[str]:
+    """The feature directories one epoch reads: the short records twice, so that their share holds beside the
+    long-input records and documents (with them once, the short held-out prompts lost; the shipped head's recipe)."""
+    return [str(f) for f in parts for _ in range(2 if f.name == "features_short" else 1)]
+
+
 def train(job: Job, parts: dict[Path, Path], seconds: float, device: str, size: dict) -> Path | None:
     """The shipped head trained on the feature directories `parts` (features -> the records they hold), in a run
     directory of its own per set of parts (a rerun that adds the documents trains afresh, one with the same parts
@@ -193,8 +199,9 @@ def train(job: Job, parts: dict[Path, Path], seconds: float, device: str, size: 
     run_dir = job.out / "_".join(["train"] + [f.name.removeprefix("features_") for f in parts])
     seq_len = -(-longest_record(*parts.values()) // 64) * 64  # rows hold the longest record whole, in blocks of 64
     rc = job.run(["train", str(REPO / "configs/smollm2_mtp_head.toml"), "--mtp.init=checkpoint",
-                  f"--mtp.init_from={SHIPPED}", "--data.features=" + json.dumps([str(f) for f in parts]),
-                  "--mtp.head_loss=greedy", f"--data.seq_len={seq_len}", "--data.whole_documents=true",
+                  f"--mtp.init_from={SHIPPED}", "--data.features=" + json.dumps(epoch_parts(parts)),
+                  "--mtp.head_loss=greedy", "--data.train_on_inputs=true", f"--data.seq_len={seq_len}",
+                  "--data.whole_documents=true",
                   f"--train.run_dir={run_dir}", f"--train.device={device}",
                   "--train.autocast=" + ("bf16" if device == "cuda" else "fp32"),
                   f"--train.steps={size['train_steps']}", f"--train.batch_size={size['train_batch']}",

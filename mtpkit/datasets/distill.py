@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..checkpoint.safe_write import write_file
 from ..data.reading import DataError
 from ..manifest import read_manifest
 from ..prompts import check_fits
@@ -282,8 +283,6 @@ def load_or_build_prompts(model, tokenizer, prompts_path, build, *, batch_size: 
     if prompts_path.exists():
         return [json.loads(line) for line in prompts_path.read_text().splitlines() if line.strip()]
     prompts = complete_prompts(model, tokenizer, build(), batch_size=batch_size)
-    prompts_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = prompts_path.with_suffix(prompts_path.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    tmp.replace(prompts_path)
+    text = "".join(json.dumps(p) + "\n" for p in prompts)
+    write_file(prompts_path, lambda tmp: tmp.write_text(text))
     return prompts

@@ -2,11 +2,11 @@
 
 The shipped head's recipe (configs/smollm2_mtp_head.toml) at a GPU's scale: it warm-starts the shipped head on the
 model's own continuations of short prompts and of long-input prompts (documents and code files of 500-4,000 tokens:
-`mtpkit distill --long-share`) and on long training-side documents read whole (`python -m mtpkit.datasets.documents`,
-no generation), packed whole so that the MTP attention sees each record's whole prompt, toward the trunk's own greedy
-token at every position, prompt tokens included (`mtp.head_loss = "greedy"`, `data.train_on_inputs`), and measures the shipped and the new head side by side on
-prompts no training data held. Stages, each a mtpkit command or function, logged to OUT/log.txt; a rerun with the
-same OUT resumes every stage:
+`mtpkit distill --long-share`) and on long training-side documents read whole (`python -m
+mtpkit.datasets.documents`, no generation), packed whole so that the MTP attention sees each record's whole prompt,
+toward the trunk's own greedy token at every position, prompt tokens included (`mtp.head_loss = "greedy"`,
+`data.train_on_inputs`), and measures the shipped and the new head side by side on prompts no training data held.
+Stages, each a mtpkit command or function, logged to OUT/log.txt; a rerun with the same OUT resumes every stage:
 
   profile   (GPU, --tiny) one distillation batch, eager against fixed-shape (CUDA-graph) steps: ms per step, the
             top kernels

@@ -95,7 +95,7 @@ def thin_fma_rates(rows=range(1, 9), repeats: int = 15) -> dict[int, float]:
     fastest = dict.fromkeys(rows, float("inf"))
     for _ in range(repeats):
         for m, x in xs.items():
-            for block in thin_matmul.BLOCKS:
+            for block in thin_matmul.blocks():
                 start = time.perf_counter()
                 for _ in range(50):
                     thin_matmul.thin_linear(x, w, block)

@@ -12,7 +12,8 @@ fastest per weight shape for the rest of the process. Candidates: `F.linear` and
 as given or padded with zero rows to 2, 4, 8 or 16 (a wider product can stream faster than a thinner one), and for
 fp32 on AVX2 CPUs mtpkit's own thin kernel (kernels/thin_matmul.py; on an AVX2-only EPYC torch's products
 streamed at 2.5-11 GB/s of a 14-21 GB/s read bandwidth) with 1, 2 or 4 weight rows per pass ("thin1", "thin2",
-"thin4": which is fastest depends on the row count and the CPU).
+"thin4": which is fastest depends on the row count and the CPU), and on CPUs with AVX-512F with 2 or 4 in 512-bit
+registers ("thin2z", "thin4z": the same bits as "thin2" and "thin4").
 
 The thin kernel streams an fp32 weight whose every value is exactly a bf16 (a bf16 checkpoint run in fp32, the
 bf16 MTP head shipped with mtpkit) from a bf16 copy: the same weight values, products and greedy tokens, from half
@@ -51,7 +52,7 @@ from .route_store import DRIFT, LoadWatch, RouteStore, entry_key
 MAX_ROWS = 16  # wider products (large batches, prefill) are compute-bound: F.linear
 PADS = (2, 4, 8, 16)
 LAYER_TIE = 0.05  # the fused layer is kept unless the modules measured this much faster
-THIN = {f"thin{b}": b for b in thin_matmul.BLOCKS}  # the thin kernel's candidates -> weight rows per pass
+THIN = {f"thin{name}": b for name, b in thin_matmul.BLOCKS.items()}  # the thin kernel's candidates -> its block
 
 
 def candidates(rows: int, dtype: torch.dtype = torch.float32) -> list[tuple[str, int]]:
@@ -59,7 +60,7 @@ def candidates(rows: int, dtype: torch.dtype = torch.float32) -> list[tuple[str,
     pads = [rows] + [p for p in PADS if p > rows]
     found = [(m, p) for p in pads for m in ("linear", "wxt") if not (m == "wxt" and p == 1)]
     if dtype == torch.float32 and rows <= thin_matmul.MAX_ROWS and thin_matmul.available():
-        found += [(m, rows) for m in THIN]
+        found += [(m, rows) for m, block in THIN.items() if block in thin_matmul.blocks()]
     return found
 
 

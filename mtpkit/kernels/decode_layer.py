@@ -138,7 +138,7 @@ def decode_layer(weights: LayerWeights, blocks: tuple[int, ...], x: torch.Tensor
                  slots: torch.Tensor) -> torch.Tensor:
     """`layer(x, ctx, kv_cache)` for x [B, T, H] with B * T <= 16 rows, given `layer_weights(layer)`: rope = (cos,
     sin) [B, T, r], the additive mask [B, 1, T, S] over the first S cache slots, slots [B, T] where this step's
-    K/V go; blocks: the thin kernel's weight rows per pass (thin_matmul.BLOCKS) for each of `weights.products()`."""
+    K/V go; blocks: the thin kernel's block (one of thin_matmul.blocks()) for each of `weights.products()`."""
     if not thin_matmul.available():
         raise RuntimeError("the CPU kernels are not available on this machine (see the warning above)")
     return torch.ops.mtpkit_cpu.decode_layer(x, *weights, *rope, kv_cache.k, kv_cache.v, slots, mask, list(blocks))

@@ -9,6 +9,10 @@ fp16-weight product came near (it rounds the weights, so not the fp32 model). Th
 once against all rows of x held in L1 and reached 8-17 GB/s there at every row count. How many weight rows share
 each load of x (`block`) is the caller's choice: the router times each where it runs.
 
+On CPUs with AVX-512F it has wide blocks too: two weight rows per 512-bit register, the same sums in the same order
+(the same bits) from half the multiply instructions, which pays where 4-8 rows make a product partly bound by its
+arithmetic (csrc/thin_product.h).
+
 It is one more candidate of the decode router (decode/matmul_routing.py), which uses it only for the shapes where
 it measures fastest on the machine that runs; F.linear stays the reference (tests/kernels/test_thin_matmul.py).
 It is built with torch's C++ extension loader (ninja, the C++ compiler) into torch's extension cache the first time
@@ -35,7 +39,9 @@ CSRC = pathlib.Path(__file__).parent / "csrc"
 SOURCES = ("thin_matmul.cpp", "decode_layer.cpp")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
 MAX_ROWS = 16  # csrc/thin_product.h kMaxRows: more than 8 rows run as groups of at most 8
-BLOCKS = (1, 2, 4)  # weight rows per pass that share each load of x; the fastest depends on the rows and the CPU
+WIDE = 16  # csrc/thin_product.h kWide: block WIDE + R runs R weight rows per pass as pairs in 512-bit registers
+# weight rows per pass that share each load of x (the fastest depends on the rows and the CPU), by candidate name
+BLOCKS = {"1": 1, "2": 2, "4": 4, "2z": WIDE + 2, "4z": WIDE + 4}
 
 
 def supported() -> bool:
@@ -99,9 +105,15 @@ def available() -> bool:
     return True
 
 
+@functools.cache
+def blocks() -> tuple[int, ...]:
+    """The blocks (values of BLOCKS) the kernel runs on this CPU: the wide ones only with AVX-512F; () without it."""
+    return tuple(torch.ops.mtpkit_cpu.thin_blocks()) if available() else ()
+
+
 def thin_linear(x: torch.Tensor, weight: torch.Tensor, block: int) -> torch.Tensor:
     """x [..., K] (at most MAX_ROWS fp32 rows) @ weight [N, K]^T -> [..., N] in fp32 on CPU, for an fp32 or bf16 weight
-    (read as the fp32 values it holds), `block` (one of BLOCKS) weight rows per pass."""
+    (read as the fp32 values it holds), `block` (one of `blocks()`) weight rows per pass."""
     if not available():
         raise RuntimeError("the thin matmul kernel is not available on this machine (see the warning above)")
     return torch.ops.mtpkit_cpu.thin_linear(x.contiguous(), weight.contiguous(), block)

@@ -2,6 +2,7 @@
 its column blocks and of its 8-wide vectors, 1 and 2 threads; decoding through it equals a full forward; a failed
 build falls back."""
 
+import pathlib
 import warnings
 
 import pytest
@@ -32,7 +33,7 @@ def test_equals_f_linear(threads):
                 for rows in range(1, thin_matmul.MAX_ROWS + 1):  # over 8: groups of at most 8 rows
                     x = torch.randn(rows, inner, generator=g)
                     ref = torch.nn.functional.linear(x.double(), w.double()).float()
-                    for block in thin_matmul.BLOCKS:
+                    for block in thin_matmul.blocks():
                         got = thin_matmul.thin_linear(x, w, block)
                         assert got.shape == (rows, outer) and got.dtype == torch.float32
                         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * inner**0.5)
@@ -48,7 +49,7 @@ def test_a_row_is_the_same_alone_or_among_up_to_16_rows():
     g = torch.Generator().manual_seed(2)
     w = torch.randn(1001, 37, generator=g)
     x = torch.randn(thin_matmul.MAX_ROWS, 37, generator=g)
-    for block in thin_matmul.BLOCKS:
+    for block in thin_matmul.blocks():
         alone = torch.cat([thin_matmul.thin_linear(row[None], w, block) for row in x])
         for rows in (9, 12, 16):
             assert torch.equal(thin_matmul.thin_linear(x[:rows], w, block), alone[:rows])
@@ -67,8 +68,33 @@ def test_strided_and_batched_input_and_bad_calls():
         thin_matmul.thin_linear(torch.randn(2, 16).bfloat16(), w.bfloat16(), 1)
     with pytest.raises(RuntimeError, match="fp32 x and fp32 or bf16 weights only"):
         thin_matmul.thin_linear(torch.randn(2, 16), w.half(), 1)
-    with pytest.raises(RuntimeError, match="block is 1, 2 or 4"):
+    with pytest.raises(RuntimeError, match="block is one of thin_blocks"):
         thin_matmul.thin_linear(x, w, 3)
+
+
+@needs_kernel
+def test_wide_blocks_run_where_the_cpu_has_avx512f_and_give_the_same_bits():
+    """The 512-bit blocks hold two weight rows per register, each lane summing in the AVX2 kernel's order: every
+    output equals the AVX2 block's bit for bit (fp32 and bf16 weights, tails of the 8-wide vectors and of the
+    pairs), so a route choosing either keeps speculative output equal to plain output."""
+    flags = pathlib.Path("/proc/cpuinfo").read_text().split() if pathlib.Path("/proc/cpuinfo").exists() else []
+    wide = {thin_matmul.BLOCKS["2z"], thin_matmul.BLOCKS["4z"]}
+    assert set(thin_matmul.blocks()) == {1, 2, 4} | (wide if "avx512f" in flags else set())
+    if "avx512f" not in flags:
+        for block in wide:
+            with pytest.raises(RuntimeError, match="block is one of thin_blocks"):
+                thin_matmul.thin_linear(torch.randn(2, 16), torch.randn(8, 16), block)
+        pytest.skip("no AVX-512F on this CPU: the wide blocks are refused")
+    g = torch.Generator().manual_seed(3)
+    for inner in (8, 37, 576):
+        for outer in (1, 3, 6, 130, 1001):
+            w = torch.randn(outer, inner, generator=g)
+            for weight in (w, w.bfloat16()):
+                for rows in range(1, thin_matmul.MAX_ROWS + 1):
+                    x = torch.randn(rows, inner, generator=g)
+                    narrow = thin_matmul.thin_linear(x, weight, 1)
+                    for block in wide:
+                        assert torch.equal(thin_matmul.thin_linear(x, weight, block), narrow)
 
 
 @needs_kernel
@@ -80,7 +106,7 @@ def test_bf16_weights_give_the_fp32_products_bit_for_bit():
             w = torch.randn(outer, inner, generator=g).bfloat16()
             for rows in range(1, thin_matmul.MAX_ROWS + 1):
                 x = torch.randn(rows, inner, generator=g)
-                for block in thin_matmul.BLOCKS:
+                for block in thin_matmul.blocks():
                     same = thin_matmul.thin_linear(x, w.float(), block)
                     assert torch.equal(thin_matmul.thin_linear(x, w, block), same)
 

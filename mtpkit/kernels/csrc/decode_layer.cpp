@@ -272,7 +272,7 @@ at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& input_norm, co
                                           (*t.first)->numel() == t.second),
                 "decode_layer: biases and QK-norm weights must be contiguous fp32 of the projections' sizes");
   TORCH_CHECK(blocks.size() == 7 && std::all_of(blocks.begin(), blocks.end(), mtpkit::valid_block),
-              "decode_layer: blocks: 1, 2 or 4 weight rows per pass for each of q, k, v, o, gate, up, down");
+              "decode_layer: blocks: one of thin_blocks() for each of q, k, v, o, gate, up, down");
   const float e = static_cast<float>(eps);
 
   at::Tensor out = at::empty_like(x);

@@ -64,15 +64,22 @@ def _batches(order: list[int], batch_size: int, sizes: list[int] | None = None, 
         yield batch
 
 
-def complete_prompts(model, tokenizer, prompts: list[dict], *, batch_size: int = 128) -> list[dict]:
+REPLY_TOKENS = 64  # the model's words in a prompt it completes: a question, or an answer before a follow-up
+
+
+def complete_prompts(model, tokenizer, prompts: list[dict], *, batch_size: int = 128, batch_tokens: int = 0
+                     ) -> list[dict]:
     """Turn the "self" and "multiturn" prompts into final ones with the model's own greedy words: a question it
-    wrote (its first line), or [request, its answer, a follow-up]. A self prompt whose answer is empty is dropped."""
+    wrote (its first line), or [request, its answer, a follow-up]. A self prompt whose answer is empty is dropped.
+    batch_tokens caps a batch's cache as in `distill` (a long-input chat's first turn holds its whole document)."""
     asks = [i for i, p in enumerate(prompts) if "ask" in p]
     encoded = {i: encode_prompt(tokenizer, prompts[i]["ask"], True) for i in asks}
     order = sorted(asks, key=lambda i: len(encoded[i]))
+    sizes = [len(encoded[i]) + REPLY_TOKENS if i in encoded else 0 for i in range(len(prompts))]
     replies = {}
-    for idx in tqdm(list(_batches(order, batch_size)), desc="prompts the model writes", unit="batch"):
-        for i, new in zip(idx, _generate(model, [encoded[i] for i in idx], 64, tokenizer.eos_token_id)):
+    batches = list(_batches(order, batch_size, sizes, batch_tokens))
+    for idx in tqdm(batches, desc="prompts the model writes", unit="batch"):
+        for i, new in zip(idx, _generate(model, [encoded[i] for i in idx], REPLY_TOKENS, tokenizer.eos_token_id)):
             replies[i] = tokenizer.decode(new, skip_special_tokens=True).strip()
     out = []
     for i, p in enumerate(prompts):
@@ -262,7 +269,7 @@ def _distill_model(model_path, out: Path, build, *, device, dtype, batch_size, m
         "give the same --model, --dtype and arguments to continue it, or write to another --out")
     model = model.to(device=device, dtype=compute)
     prompts = load_or_build_prompts(model, tokenizer, prompts_path(out), lambda: build(tokenizer),
-                                    batch_size=batch_size)
+                                    batch_size=batch_size, batch_tokens=batch_tokens)
     shards = HiddenShards(out) if features else None
     info = distill(model, tokenizer, prompts, out, max_new_tokens=max_new_tokens, batch_size=batch_size,
                    shards=shards, topk=topk, max_seconds=None if max_minutes is None else 60 * max_minutes,
@@ -276,13 +283,14 @@ def _distill_model(model_path, out: Path, build, *, device, dtype, batch_size, m
     return info
 
 
-def load_or_build_prompts(model, tokenizer, prompts_path, build, *, batch_size: int = 128) -> list[dict]:
+def load_or_build_prompts(model, tokenizer, prompts_path, build, *, batch_size: int = 128, batch_tokens: int = 0
+                          ) -> list[dict]:
     """The prompt list of a run: read from prompts_path when a run started before, else `build()` completed
     with the model's own words and written there (atomically), so a resumed run uses exactly the same prompts."""
     prompts_path = Path(prompts_path)
     if prompts_path.exists():
         return [json.loads(line) for line in prompts_path.read_text().splitlines() if line.strip()]
-    prompts = complete_prompts(model, tokenizer, build(), batch_size=batch_size)
+    prompts = complete_prompts(model, tokenizer, build(), batch_size=batch_size, batch_tokens=batch_tokens)
     text = "".join(json.dumps(p) + "\n" for p in prompts)
     write_file(prompts_path, lambda tmp: tmp.write_text(text))
     return prompts

@@ -109,6 +109,24 @@ def test_self_and_multiturn_prompts_are_completed_with_the_models_words(tmp_path
     assert d.load_or_build_prompts(None, _Replier(), tmp_path / "new" / "p.jsonl", lambda: raw) == done
 
 
+def test_batch_tokens_caps_the_batches_of_prompts_the_model_completes(monkeypatch):
+    """A long-input chat's first turn holds its whole document: its batches are capped like distillation's (one
+    batch of 512 such turns filled 24 GB and was killed)."""
+    from mtpkit.datasets import distill as d
+
+    seen = []
+    monkeypatch.setattr(d, "_generate", lambda model, rows, n, eos: seen.append(rows) or [[5, 6]] * len(rows))
+    raw = [{"ask": "Explain this: " + "tides " * n, "follow_up": "Why?", "chat": True, "kind": "multiturn"}
+           for n in (1, 2, 40, 80, 160, 300)]
+    cap = 2 * (len(_Replier()(raw[-1]["ask"])["input_ids"]) + d.REPLY_TOKENS)
+    done = d.complete_prompts(None, _Replier(), raw, batch_size=8, batch_tokens=cap)
+    assert len(done) == len(raw) and sum(map(len, seen)) == len(raw)
+    assert len(seen) > 1 and all(len(rows) * (max(map(len, rows)) + d.REPLY_TOKENS) <= cap for rows in seen)
+    seen.clear()
+    d.complete_prompts(None, _Replier(), raw, batch_size=8)  # no cap: one batch
+    assert len(seen) == 1
+
+
 def test_distill_records_are_the_models_greedy_output(tmp_path):
     save_hf(tiny_hf_model("qwen3"), tmp_path / "m")
     model = mtpkit.load_model(tmp_path / "m")

@@ -231,12 +231,32 @@ def print_step_table(models: dict, args, ks, bw: dict, rates: dict) -> None:
               f"{r0['decode'] / r0['best_single']:.2f} (times in ms)")
 
 
+def wide_against_avx2(table: list[dict]) -> dict[int, float]:
+    """Per row count: the time of a step's products with the thin kernel's fastest wide (512-bit) block for each
+    weight shape over that with its fastest AVX2 block, from the router's `table()`; {} without the wide blocks."""
+    sums = {}
+    for row in table:
+        thin = {c.partition("@")[0]: t for c, t in row["ms"].items() if c.startswith("thin")}
+        wide = [t for c, t in thin.items() if c.endswith("z")]
+        narrow = [t for c, t in thin.items() if not c.endswith("z")]
+        if wide and narrow:
+            a, w = sums.get(row["rows"], (0.0, 0.0))
+            sums[row["rows"]] = (a + min(narrow), w + min(wide))
+    return {rows: w / a for rows, (a, w) in sorted(sums.items())}
+
+
 def print_routing_table(models: dict) -> None:
     print("\nrouting measurements (ms summed over the model's weights of each shape; * = chosen)")
     for name, model in models.items():
-        for row in router_for(model).table():
+        table = router_for(model).table()
+        for row in table:
             cells = "  ".join(f"{c}{'*' if c == row['choice'] else ''} {t:.2f}" for c, t in row["ms"].items())
             print(f"  {name[:24]:<24} {row['dtype']:<9} rows {row['rows']}  {str(row['shape']):<14} {cells}")
+        ratios = wide_against_avx2(table)
+        if ratios:
+            print(f"  {name[:24]:<24} the thin kernel's wide blocks / its AVX2 blocks, a step's products (the best "
+                  "of each per shape): " + " / ".join(f"{r:.3f}" for r in ratios.values()) + " at "
+                  + " / ".join(map(str, ratios)) + " rows")
 
 
 def print_hf_comparison(model, path: pathlib.Path, args, dtype, label: str) -> float:

@@ -21,9 +21,10 @@
 //
 // On CPUs with AVX-512F the wide blocks (`kWide` + R) put two weight rows in each 512-bit register, row n in the
 // low half and n + 1 in the high half, against x broadcast to both halves: every lane runs the AVX2 kernel's sum
-// in its order, so the outputs are the same bits, from half the multiply instructions. Where 4-8 rows make the
-// product partly bound by its arithmetic this pays (2-core Sapphire Rapids Xeon, SmolLM2-135M's weights: 0.96x
-// the time at 2 and 4 rows, 0.90x at 8); the decode router measures it beside the AVX2 blocks. The functions are
+// in its order, so the outputs are the same bits, from half the multiply instructions. Where 2-6 rows make the
+// product partly bound by its arithmetic this pays (a 2-core Xeon with AMX, a step's products over SmolLM2-135M's
+// weights: 0.97x / 0.96x / 0.93x the AVX2 blocks' time at 2 / 4 / 6 rows, level at 1); the decode router measures
+// it beside the AVX2 blocks. The functions are
 // compiled for AVX-512F alone (`target`), so the extension still loads on AVX2-only CPUs, which never call them.
 #pragma once
 

@@ -10,7 +10,7 @@ once against all rows of x held in L1 and reached 8-17 GB/s there at every row c
 each load of x (`block`) is the caller's choice: the router times each where it runs.
 
 On CPUs with AVX-512F it has wide blocks too: two weight rows per 512-bit register, the same sums in the same order
-(the same bits) from half the multiply instructions, which pays where 4-8 rows make a product partly bound by its
+(the same bits) from half the multiply instructions, which pays where 2-6 rows make a product partly bound by its
 arithmetic (csrc/thin_product.h).
 
 It is one more candidate of the decode router (decode/matmul_routing.py), which uses it only for the shapes where

@@ -43,10 +43,11 @@ from ..decode.cache import Cache
 from ..decode.draft_head import DraftHead
 from ..decode.drafters import mtp_chain, parallel_heads
 from ..decode.generate import generate
-from ..decode.matmul_routing import MatmulRouter, candidates, router_for
+from ..decode.matmul_routing import THIN, MatmulRouter, candidates, router_for
 from ..decode.sampling import SamplingParams
 from ..decode.state import DecodeState
 from ..kernels.linear import routed_linears
+from ..kernels.thin_matmul import WIDE
 from ..models.parallel_heads import head_outputs
 from ..models.presets import QWEN35_SIZES, qwen35_config
 from .hf_baseline import load_hf_baseline
@@ -236,9 +237,9 @@ def wide_against_avx2(table: list[dict]) -> dict[int, float]:
     weight shape over that with its fastest AVX2 block, from the router's `table()`; {} without the wide blocks."""
     sums = {}
     for row in table:
-        thin = {c.partition("@")[0]: t for c, t in row["ms"].items() if c.startswith("thin")}
-        wide = [t for c, t in thin.items() if c.endswith("z")]
-        narrow = [t for c, t in thin.items() if not c.endswith("z")]
+        thin = {c.partition("@")[0]: t for c, t in row["ms"].items() if c.partition("@")[0] in THIN}
+        wide = [t for c, t in thin.items() if THIN[c] > WIDE]
+        narrow = [t for c, t in thin.items() if THIN[c] < WIDE]
         if wide and narrow:
             a, w = sums.get(row["rows"], (0.0, 0.0))
             sums[row["rows"]] = (a + min(narrow), w + min(wide))

@@ -24,8 +24,8 @@
 // in its order, so the outputs are the same bits, from half the multiply instructions. Where 2-6 rows make the
 // product partly bound by its arithmetic this pays (a 2-core Xeon with AMX, a step's products over SmolLM2-135M's
 // weights: 0.97x / 0.96x / 0.93x the AVX2 blocks' time at 2 / 4 / 6 rows, level at 1); the decode router measures
-// it beside the AVX2 blocks. The functions are
-// compiled for AVX-512F alone (`target`), so the extension still loads on AVX2-only CPUs, which never call them.
+// it beside the AVX2 blocks. The functions are compiled for AVX-512F alone (`target`), so the extension still loads
+// on AVX2-only CPUs, which never call them.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -43,6 +43,16 @@ inline float horizontal_sum(__m256 v) {
   s = _mm_hadd_ps(s, s);
   s = _mm_hadd_ps(s, s);
   return _mm_cvtss_f32(s);
+}
+
+// One output: an accumulator's 8 lanes summed, then the K % 8 tail of the row. Both kinds of block end each output
+// here, so they give the same bits.
+template <typename W>
+inline float finish_output(__m256 acc, const float* x, const W* w_row, int64_t k, int64_t K) {
+  float s = horizontal_sum(acc);
+  // std::fma: the same rounding for either weight type (a compiler may fuse `s += w * x` for one only)
+  for (int64_t t = k; t < K; ++t) s = std::fma(static_cast<float>(w_row[t]), x[t], s);
+  return s;
 }
 
 // 8 weights as fp32
@@ -76,12 +86,7 @@ template <int M, int R, typename W>
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) {
-        float s = horizontal_sum(acc[r][m]);
-        // std::fma: the same rounding for either weight type (a compiler may fuse `s += w * x` for one only)
-        for (int64_t t = k; t < K; ++t) s = std::fma(static_cast<float>(w[(n + r) * K + t]), x[m * K + t], s);
-        y[m * N + n + r] = s;
-      }
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = finish_output(acc[r][m], x + m * K, w + (n + r) * K, k, K);
   }
   if constexpr (R > 1) {
     if (n < n1) columns<M, 1>(x, w, y, N, K, n, n1);
@@ -126,10 +131,8 @@ template <int M, int P, typename W>
         const __m512d both = _mm512_castps_pd(acc[p][m]);
         for (int half = 0; half < 2; ++half) {
           const int64_t row = n + 2 * p + half;
-          float s = horizontal_sum(_mm256_castpd_ps(half ? _mm512_extractf64x4_pd(both, 1)
-                                                         : _mm512_castpd512_pd256(both)));
-          for (int64_t t = k; t < K; ++t) s = std::fma(static_cast<float>(w[row * K + t]), x[m * K + t], s);
-          y[m * N + row] = s;
+          const __m256 lanes = _mm256_castpd_ps(half ? _mm512_extractf64x4_pd(both, 1) : _mm512_castpd512_pd256(both));
+          y[m * N + row] = finish_output(lanes, x + m * K, w + row * K, k, K);
         }
       }
   }

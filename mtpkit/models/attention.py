@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.linear import Linear
+from ..kernels.packed_attention import PackedCausal
 from .config import ModelConfig
 from .layers import RMSNorm, apply_rotary
 
@@ -30,7 +31,7 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, mask=None, kv_cache=None, cache_positions=None):
         """x [B, T, H]; rope = (cos, sin) [B, T, r]; mask [B, 1, T, S]: bool (True = attend) or additive (0 / -inf),
-        or None for causal."""
+        a PackedCausal (packed training rows), or None for causal."""
         B, T, _ = x.shape
         # head counts come from the shapes (-1): under tensor parallelism the projections hold this rank's heads
         q = self.q_proj(x).view(B, T, -1, self.head_dim * (2 if self.gated else 1))
@@ -45,9 +46,12 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(cache_positions, k, v, mask.shape[-1])  # [B, S, n_kv, D], S = slots attended
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T|S, D)
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1]
-        )
+        if isinstance(mask, PackedCausal):
+            o = mask.attend(q, k, v)
+        else:
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1]
+            )
         o = o.transpose(1, 2).reshape(B, T, -1)
         if self.gated:
             o = o * torch.sigmoid(gate)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..kernels.linear import routed_layer
+from ..kernels.packed_attention import PackedCausal
 from .attention import Attention
 from .config import ModelConfig
 from .gated_deltanet import GatedDeltaNet
@@ -19,7 +20,7 @@ class Context:
     """Per-forward inputs that every layer reads: rotary tables, attention mask, packing and cache slots."""
 
     rope: tuple[torch.Tensor, torch.Tensor]
-    mask: torch.Tensor | None
+    mask: torch.Tensor | PackedCausal | None  # None: causal
     segment_ids: torch.Tensor | None
     cache_positions: torch.Tensor | None
 
@@ -27,11 +28,7 @@ class Context:
 def training_context(config: ModelConfig, positions: torch.Tensor, segment_ids: torch.Tensor | None,
                      dtype: torch.dtype) -> Context:
     """The Context of a forward without a cache: causal attention, kept inside each packed segment."""
-    mask = None
-    if segment_ids is not None:
-        T = segment_ids.shape[1]
-        causal = torch.ones(T, T, dtype=torch.bool, device=segment_ids.device).tril()
-        mask = ((segment_ids[:, :, None] == segment_ids[:, None, :]) & causal)[:, None]
+    mask = None if segment_ids is None else PackedCausal.from_segments(segment_ids)
     return Context(rope_cos_sin(config, positions, dtype), mask, segment_ids, None)
 
 

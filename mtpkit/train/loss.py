@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..kernels.packed_attention import contiguous_runs
 from ..models.mtp import is_mtp_param
 from .chunked_ce import chunked_cross_entropy
 from .config import MTPSection
@@ -23,9 +24,7 @@ IGNORE = -100
 
 def _same_run(segment_ids: Tensor, depth: int) -> Tensor:
     """[B, T-depth]: True where position i+depth lies in the same contiguous segment as position i."""
-    change = torch.zeros_like(segment_ids, dtype=torch.long)
-    change[:, 1:] = (segment_ids[:, 1:] != segment_ids[:, :-1]).long()
-    run = change.cumsum(1)  # index of the contiguous run, so a reused segment id never joins two documents
+    run = contiguous_runs(segment_ids)
     return run[:, depth:] == run[:, :-depth]
 
 

@@ -180,6 +180,12 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None, cu_seqlens=None):
     if cu_seqlens is None:
         return chunk_gated_delta_rule(q, k, v, g, beta, initial_state)
 
+    return _per_document(q, k, v, g, beta, initial_state, cu_seqlens)
+
+
+@torch.compiler.disable  # eager inside compiled blocks: traced, every packing's document bounds would recompile
+def _per_document(q, k, v, g, beta, initial_state, cu_seqlens):
+    """`chunk_gated_delta_rule` over each document of a packed row in turn (shapes as in `gated_delta_rule`)."""
     bounds = cu_seqlens.tolist()
     if bounds[0] != 0 or bounds[-1] != q.shape[1] or any(a > b for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"cu_seqlens must rise from 0 to T={q.shape[1]}, got {bounds}")

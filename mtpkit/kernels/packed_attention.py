@@ -52,6 +52,7 @@ class PackedCausal:
         causal = torch.ones(T, T, dtype=torch.bool, device=self.runs.device).tril()
         return ((self.runs[:, :, None] == self.runs[:, None, :]) & causal)[:, None]
 
+    @torch.compiler.disable  # eager inside compiled blocks: traced, every packing's block starts would recompile
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [B, Hq, T, D], k and v [B, Hkv, T, D] -> [B, Hq, T, D], as SDPA with `dense()` as its mask."""
         T = q.shape[2]

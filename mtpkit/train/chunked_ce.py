@@ -18,9 +18,22 @@ def forward_dtype(hidden: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
 
 
-def chunk_logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """One chunk's logits [c, V], in at least fp32 for the softmax statistics."""
-    return (h.to(w.dtype) @ w.T).to(torch.promote_types(w.dtype, torch.float32))
+class ChunkLogits:
+    """Each chunk's logits [c, V], in at least fp32 for the softmax statistics, written into two buffers reused by
+    every chunk of a pass (the product in the weight's dtype and its fp32 copy): fresh [chunk, V] tensors per chunk
+    cost more in page faults and copies than the arithmetic done on them. A call's result is valid until the next
+    call, and the caller may overwrite it."""
+
+    def __init__(self, w: torch.Tensor, rows: int):
+        self.w = w
+        self.product = w.new_empty(rows, w.shape[0])
+        acc = torch.promote_types(w.dtype, torch.float32)
+        self.logits = self.product if acc == w.dtype else self.product.new_empty(self.product.shape, dtype=acc)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        c = h.shape[0]
+        product = torch.mm(h.to(self.w.dtype), self.w.T, out=self.product[:c])
+        return product if self.logits is self.product else self.logits[:c].copy_(product)
 
 
 class _VocabShard:
@@ -65,20 +78,20 @@ class _ChunkedCE(torch.autograd.Function):
         dtype = forward_dtype(hidden)
         shard = _VocabShard(weight)
         with torch.autocast(hidden.device.type, enabled=False):
-            w = shard.weight.to(dtype)
+            chunk_logits = ChunkLogits(shard.weight.to(dtype), min(chunk, hidden.shape[0]))
             loss_sum = hidden.new_zeros((), dtype=torch.promote_types(dtype, torch.float32))
             n_valid = torch.zeros((), dtype=torch.long, device=hidden.device)
             n_correct = torch.zeros_like(n_valid)
             lse = []
             for s in range(0, hidden.shape[0], chunk):
-                logits = chunk_logits(hidden[s : s + chunk], w)  # [c, V] (here: [c, V/tp])
+                logits = chunk_logits(hidden[s : s + chunk])  # [c, V] (here: [c, V/tp])
                 t = targets[s : s + chunk]
                 valid = t != ignore_index
                 col, here = shard.targets(t, valid)
                 local_top, arg = logits.max(-1)
                 top = shard.reduce(local_top, "max")
-                sums = shard.reduce(torch.stack([(logits - top[:, None]).exp().sum(-1),
-                                                 torch.where(here, logits.gather(1, col[:, None])[:, 0], 0.0)]), "sum")
+                target_logit = torch.where(here, logits.gather(1, col[:, None])[:, 0], 0.0)
+                sums = shard.reduce(torch.stack([logits.sub_(top[:, None]).exp_().sum(-1), target_logit]), "sum")
                 lse.append(top + sums[0].log())
                 loss_sum += torch.where(valid, lse[-1] - sums[1], 0.0).sum()
                 n_valid += valid.sum()
@@ -100,19 +113,22 @@ class _ChunkedCE(torch.autograd.Function):
             if need_w else None
         with torch.autocast(hidden.device.type, enabled=False):
             w = shard.weight.to(ctx.dtype)
+            chunk_logits = ChunkLogits(w, min(ctx.chunk, hidden.shape[0]))
             for s in range(0, hidden.shape[0], ctx.chunk):
                 h = hidden[s : s + ctx.chunk]
                 t = targets[s : s + ctx.chunk]
                 valid = t != ctx.ignore_index
                 col, here = shard.targets(t, valid)
-                # d(sum of nll)/d(logits) = softmax - onehot(target), zero on ignored rows
-                g = (chunk_logits(h, w) - lse[s : s + ctx.chunk, None]).exp()
+                # d(sum of nll)/d(logits) = softmax - onehot(target), zero on ignored rows: each row's factor
+                # (0 or grad_loss) is applied to the [c, H] sides of the products, not to the [c, V] gradient
+                g = chunk_logits(h).sub_(lse[s : s + ctx.chunk, None]).exp_()
                 g = g.scatter_add_(1, col[:, None], -here[:, None].to(g.dtype))
-                g = (g * (valid[:, None] * grad_loss)).to(ctx.dtype)  # [c, V] (here: [c, V/tp])
+                g = chunk_logits.product[: g.shape[0]].copy_(g)  # [c, V] (here: [c, V/tp]) in the matmul dtype
+                scale = (valid * grad_loss)[:, None]
                 if need_h:
-                    grad_h[s : s + ctx.chunk] = g @ w  # a partial sum over the vocabulary shards
+                    grad_h[s : s + ctx.chunk] = (g @ w) * scale  # a partial sum over the vocabulary shards
                 if need_w:
-                    grad_w += g.T @ h.to(ctx.dtype)
+                    grad_w += g.T @ (h * scale).to(ctx.dtype)
         if need_h:
             grad_h = shard.reduce(grad_h, "sum")
         if need_w:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .chunked_ce import chunk_logits, forward_dtype
+from .chunked_ce import ChunkLogits, forward_dtype
 
 
 def _chunk_terms(logits, ids, p, valid):
@@ -40,11 +40,11 @@ class _ChunkedSoftCE(torch.autograd.Function):
     def forward(ctx, hidden, weight, ids, logprobs, valid, chunk: int):
         dtype = forward_dtype(hidden)
         with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(dtype)
+            chunk_logits = ChunkLogits(weight.to(dtype), min(chunk, hidden.shape[0]))
             loss_sum = hidden.new_zeros((), dtype=torch.promote_types(dtype, torch.float32))
             preds = []
             for s in range(0, hidden.shape[0], chunk):
-                logits = chunk_logits(hidden[s : s + chunk], w)
+                logits = chunk_logits(hidden[s : s + chunk])
                 sl = slice(s, s + chunk)
                 loss, *_ = _chunk_terms(logits, ids[sl], logprobs[sl].to(logits.dtype).exp(), valid[sl])
                 loss_sum += loss.sum()
@@ -63,10 +63,11 @@ class _ChunkedSoftCE(torch.autograd.Function):
         grad_w = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32)) if need_w else None
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(ctx.dtype)
+            chunk_logits = ChunkLogits(w, min(ctx.chunk, hidden.shape[0]))
             for s in range(0, hidden.shape[0], ctx.chunk):
                 sl = slice(s, s + ctx.chunk)
                 h = hidden[sl]
-                logits = chunk_logits(h, w)
+                logits = chunk_logits(h)
                 _, rest_logits, rest_lse, p, p_rest = _chunk_terms(logits, ids[sl], logprobs[sl].to(logits.dtype).exp(),
                                                                    valid[sl])
                 total = p.sum(-1) + p_rest  # 1 on valid rows (0 elsewhere), up to the teacher's rounding

@@ -48,10 +48,10 @@ def test_equals_sdpa_with_the_dense_mask(block):
 
 
 def test_blocks_read_only_the_keys_their_documents_reach():
+    # a block reads from the earliest run start of its first position over the rows, rounded down to a multiple
+    # of the block; runs of row 0: [0, 5) [5, 25) [25, 32), of row 1: [0, 12) [12, 32)
     seg = _segments([[5, 20, 7], [12, 20]])  # 32 positions, blocks of 8
-    packed = PackedCausal.from_segments(seg, block=8)
-    # runs: row 0 [0, 5) [5, 25) [25, 32), row 1 [0, 12) [12, 32); a block reads from the earlier run start of
-    # its first position in either row: 8 -> 5 and 0, 16 -> 5 and 12, 24 -> 5 and 12
-    assert packed.block_starts == [0, 0, 5, 5]
-    packed = PackedCausal.from_segments(seg[1:], block=8)
-    assert packed.block_starts == [0, 0, 12, 12]
+    assert PackedCausal.from_segments(seg[1:], block=8).block_starts == [0, 0, 8, 8]  # 16, 24 -> 12 -> 8
+    assert PackedCausal.from_segments(seg, block=8).block_starts == [0, 0, 0, 0]  # 16, 24 -> 5 (row 0) -> 0
+    seg = _segments([[3, 14, 15]])  # runs [0, 3) [3, 17) [17, 32)
+    assert PackedCausal.from_segments(seg, block=8).block_starts == [0, 0, 0, 16]

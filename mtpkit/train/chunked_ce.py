@@ -35,6 +35,11 @@ class ChunkLogits:
         product = torch.mm(h.to(self.w.dtype), self.w.T, out=self.product[:c])
         return product if self.logits is self.product else self.logits[:c].copy_(product)
 
+    def in_weight_dtype(self, g: torch.Tensor) -> torch.Tensor:
+        """A call's result g [c, V], as changed in place by the caller, in the weight's dtype (in the product
+        buffer), ready for the backward's products."""
+        return g if self.logits is self.product else self.product[: g.shape[0]].copy_(g)
+
 
 class _VocabShard:
     """The rows of the output weight held here: all of them on one device; under tensor parallelism (a DTensor
@@ -123,7 +128,7 @@ class _ChunkedCE(torch.autograd.Function):
                 # (0 or grad_loss) is applied to the [c, H] sides of the products, not to the [c, V] gradient
                 g = chunk_logits(h).sub_(lse[s : s + ctx.chunk, None]).exp_()
                 g = g.scatter_add_(1, col[:, None], -here[:, None].to(g.dtype))
-                g = chunk_logits.product[: g.shape[0]].copy_(g)  # [c, V] (here: [c, V/tp]) in the matmul dtype
+                g = chunk_logits.in_weight_dtype(g)  # [c, V] (here: [c, V/tp])
                 scale = (valid * grad_loss)[:, None]
                 if need_h:
                     grad_h[s : s + ctx.chunk] = (g @ w) * scale  # a partial sum over the vocabulary shards

@@ -1,5 +1,6 @@
 """`mtpkit features --records R.jsonl --out DIR`: cache the frozen trunk's hidden states (and top-k) for
-training an MTP head without running the trunk (`data.mode = "features"`)."""
+training an MTP head without running the trunk (`data.mode = "features"`); `--from-features DIR
+--max-record-tokens N` copies the shorter records of a features directory into a new one instead."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ from pathlib import Path
 def add_parser(sub) -> None:
     p = sub.add_parser("features", help="store the trunk's hidden states (and top-k logits) of distilled records")
     p.add_argument("--model", help="HF model directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--records", required=True, nargs="+", help="JSONL records with input_ids (+ loss_mask), as "
-                                                                "mtpkit distill writes")
+    p.add_argument("--records", nargs="+", help="JSONL records with input_ids (+ loss_mask), as mtpkit distill "
+                                                 "writes")
+    p.add_argument("--from-features", metavar="DIR", help="instead of --records: copy the records of this features "
+                   "directory shorter than --max-record-tokens into --out, without the trunk (to read them more "
+                   "often: data.features = [DIR, OUT])")
+    p.add_argument("--max-record-tokens", type=int, help="with --from-features: keep records shorter than this")
     p.add_argument("--out", required=True, help="features directory (created; rerun the command to resume)")
     p.add_argument("--topk", type=int, default=0, help="also store the top-k next-token log-probabilities "
                                                        "(needed by mtp.head_loss = 'soft' or 'greedy'); 0: none")
@@ -28,6 +33,17 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    if (args.records is None) == (args.from_features is None):
+        raise ValueError("give --records R.jsonl (build) or --from-features DIR (select), one of the two")
+    if (args.from_features is None) != (args.max_record_tokens is None):
+        raise ValueError("--from-features DIR and --max-record-tokens N go together")
+    if args.from_features:
+        from ..datasets.features import select_features
+
+        info = select_features(args.from_features, args.out, max_record_tokens=args.max_record_tokens)
+        print(f"{info['records']} records ({info['tokens']} tokens) shorter than {args.max_record_tokens} copied "
+              f"by this run -> {args.out}")
+        return 0
     from ..assets import default_gguf_path
     from ..checkpoint.hf import load_model
     from ..kernels.compute_dtype import describe, resolve

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..data.features import HIDDEN_DTYPES, VERSION, array_shapes, bf16_to_numpy, load_array, model_identity
+from ..data.features import (HIDDEN_DTYPES, VERSION, FeatureStore, array_shapes, bf16_to_numpy, load_array,
+                             model_identity)
 from ..data.reading import DataError, read_records
 from ..data.tokenizing import token_record_problem, tokenize_documents
 from ..locking import OutputLock
@@ -209,6 +210,52 @@ def build_features(model, tokenizer, records, out, *, topk: int = 0, hidden_dtyp
             model_identity(model), model.config.vocab_size, files, docs, out, topk=topk, hidden_dtype=hidden_dtype,
             compute=compute, writer="mtpkit features"), topk=topk, hidden_dtype=hidden_dtype, compute=compute,
             batch_tokens=batch_tokens, row_tokens=row_tokens, progress=progress)
+
+
+def select_features(src, out, *, max_record_tokens: int) -> dict:
+    """Copy the records of the finished features directory `src` shorter than max_record_tokens into a new
+    features directory `out`, without running the trunk: a second source that reweights them, e.g. the short
+    records read twice an epoch beside long-input ones (data.features = [src, out]). The copy is the directory
+    `mtpkit features` would build from those records alone (same arrays, same records checksum). Rerunning a
+    finished copy does nothing. Returns {"records", "tokens"}."""
+    from ..data.features import FeatureStore
+
+    store = FeatureStore(src)
+    off = store.offsets
+    keep = np.nonzero(np.diff(off) < max_record_tokens)[0]
+    if not len(keep):
+        raise DataError(f"{store.root} holds no record shorter than {max_record_tokens} tokens: raise "
+                        "--max-record-tokens")
+    rows = np.concatenate([np.arange(off[r], off[r + 1]) for r in keep])
+    docs = [(store.input_ids[off[r]:off[r + 1]], store.loss_mask[off[r]:off[r + 1]]) for r in keep]
+    writer = "mtpkit features --from-features"
+    meta = dict(store.meta, records_sha=_records_sha(docs), records=len(keep), tokens=len(rows), writer=writer,
+                sources=[str(store.root)])
+    out = Path(out).expanduser()
+    if out.resolve() == store.root.resolve():
+        raise DataError(f"--out {out} is the source directory: give a new one")
+    check_writer(out, writer)
+    out.mkdir(parents=True, exist_ok=True)
+    with writer_lock(out):
+        if (out / "meta.json").exists():
+            old = json.loads((out / "meta.json").read_text())
+            if any(old.get(k) != v for k, v in meta.items() if k != "sources"):
+                raise DataError(f"{out} holds another selection: use another --out or delete that directory")
+            return {"records": 0, "tokens": 0}
+        np.save(out / "offsets.npy", np.concatenate([[0], np.cumsum(np.diff(off)[keep])]).astype(np.int64))
+        step = 1 << 18  # rows per copied slab: bounded memory for any directory size
+        for name, (shape, dtype) in array_shapes(store.meta).items():
+            if name == "offsets":
+                continue
+            source = load_array(store.root / f"{name}.npy", shape, dtype)
+            target = np.lib.format.open_memmap(out / f"{name}.npy", mode="w+", dtype=dtype,
+                                               shape=(len(rows),) + shape[1:])
+            for s in range(0, len(rows), step):
+                target[s:s + step] = source[rows[s:s + step]]
+            target.flush()
+        mark_done(out, len(keep))
+        _write_json(out / "meta.json", meta)  # last: its presence means the arrays are complete
+    return {"records": len(keep), "tokens": len(rows)}
 
 
 def _fill(model, docs, out: Path, arrays: dict, done: int, *, topk: int, hidden_dtype: str, compute: str,

@@ -366,3 +366,47 @@ def test_features_command_builds_resumes_and_reports_bad_input_in_one_line(tiny,
         assert main([*args, "--device", "cuda"]) == 2
         err = capsys.readouterr().err.strip()
         assert "--device cuda: no CUDA device is visible; use --device cpu" in err and len(err.splitlines()) == 1
+
+
+def test_selected_short_records_are_the_directory_their_records_alone_build(tiny, tmp_path, capsys):
+    """`mtpkit features --from-features DIR --max-record-tokens N` copies the records shorter than N: the same
+    arrays, offsets and records checksum as `mtpkit features` over those records alone; the pair reads as one
+    source with the short records twice; a rerun is a no-op; bad selections fail in one line."""
+    from mtpkit.cli import main
+
+    model_dir, records, tok = tiny
+    kw = dict(topk=4, hidden_dtype="float32", compute="float32", progress=False)
+    build_features(_trunk(model_dir), tok, records, tmp_path / "all", **kw)
+    lines = records.read_text().splitlines(keepends=True)
+    short = [line for line in lines if len(json.loads(line)["input_ids"]) < 40]
+    assert 0 < len(short) < len(lines)
+    (tmp_path / "short.jsonl").write_text("".join(short))
+    build_features(_trunk(model_dir), tok, tmp_path / "short.jsonl", tmp_path / "built", **kw)
+
+    args = ["features", "--from-features", str(tmp_path / "all"), "--max-record-tokens", "40", "--out"]
+    assert main([*args, str(tmp_path / "sel")]) == 0
+    assert f"{len(short)} records" in capsys.readouterr().out
+    sel, built = FeatureStore(tmp_path / "sel"), FeatureStore(tmp_path / "built")
+    for key in ("records", "tokens", "records_sha", "model", "topk", "hidden_dtype"):
+        assert sel.meta[key] == built.meta[key]
+    assert (sel.offsets == built.offsets).all() and (sel.input_ids == built.input_ids).all()
+    assert (sel.loss_mask == built.loss_mask).all()
+    rows = np.arange(len(sel.input_ids))
+    got, want = sel.gather(rows), built.gather(rows)
+    torch.testing.assert_close(got["hidden"], want["hidden"], rtol=0, atol=1e-5)  # other row packing: rounding
+    torch.testing.assert_close(got["topk_logprobs"], want["topk_logprobs"], rtol=0, atol=1e-5)
+
+    both = FeatureStores([tmp_path / "all", tmp_path / "sel"])
+    assert len(both.documents()) == len(lines) + len(short)
+    assert main([*args, str(tmp_path / "sel")]) == 0  # finished: nothing copied again
+    assert "0 records" in capsys.readouterr().out
+
+    for bad, why in ((["--max-record-tokens", "5"], "no record shorter than 5 tokens"),
+                     (["--max-record-tokens", "60"], "another selection"),
+                     ([], "go together")):
+        argv = ["features", "--from-features", str(tmp_path / "all"), *bad, "--out", str(tmp_path / "sel")]
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert why in err and len(err.splitlines()) == 1
+    assert main(["features", "--out", str(tmp_path / "x")]) == 2
+    assert "one of the two" in capsys.readouterr().err

@@ -218,8 +218,6 @@ def select_features(src, out, *, max_record_tokens: int) -> dict:
     records read twice an epoch beside long-input ones (data.features = [src, out]). The copy is the directory
     `mtpkit features` would build from those records alone (same arrays, same records checksum). Rerunning a
     finished copy does nothing. Returns {"records", "tokens"}."""
-    from ..data.features import FeatureStore
-
     store = FeatureStore(src)
     off = store.offsets
     keep = np.nonzero(np.diff(off) < max_record_tokens)[0]

@@ -5,8 +5,9 @@ A dense [B, 1, T, T] mask makes SDPA score every query against every key, T^2 pe
 are (and takes T^2 bytes per row to hold). Here a block of queries [a, b) attends to keys [lo, b), where lo is the
 first position of the document that holds position a (the earliest any query of the block reaches) rounded down to
 a multiple of the block, with the mask of that slice: the same result (masked keys add exactly zero), at about
-T x (block + document length) for short documents and half of T^2 for one long document. The same idea as FlashAttention's varlen kernels and
-flex_attention's block masks, in plain SDPA calls so that it runs (and backpropagates) on every device.
+T x (block + document length) for short documents and half of T^2 for one long document. The same idea as
+FlashAttention's varlen kernels and flex_attention's block masks, in plain SDPA calls so that it runs (and
+backpropagates) on every device.
 """
 
 from __future__ import annotations

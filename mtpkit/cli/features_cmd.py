@@ -1,6 +1,6 @@
 """`mtpkit features --records R.jsonl --out DIR`: cache the frozen trunk's hidden states (and top-k) for
 training an MTP head without running the trunk (`data.mode = "features"`); `--from-features DIR
---max-record-tokens N` copies the shorter records of a features directory into a new one instead."""
+--max-record-tokens N --first-record M` copies some records of a features directory into a new one instead."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ def add_parser(sub) -> None:
     p.add_argument("--records", nargs="+", help="JSONL records with input_ids (+ loss_mask), as mtpkit distill "
                                                  "writes")
     p.add_argument("--from-features", metavar="DIR", help="instead of --records: copy the records of this features "
-                   "directory shorter than --max-record-tokens into --out, without the trunk (to read them more "
-                   "often: data.features = [DIR, OUT])")
+                   "directory selected by --max-record-tokens and --first-record into --out, without the trunk (to "
+                   "read short ones more often: data.features = [DIR, OUT]; or to train on new records alone)")
     p.add_argument("--max-record-tokens", type=int, help="with --from-features: keep records shorter than this")
+    p.add_argument("--first-record", type=int, default=0, help="with --from-features: keep records from this index "
+                   "on (the record count before a resumed distillation: the records it added)")
     p.add_argument("--out", required=True, help="features directory (created; rerun the command to resume)")
     p.add_argument("--topk", type=int, default=0, help="also store the top-k next-token log-probabilities "
                                                        "(needed by mtp.head_loss = 'soft' or 'greedy'); 0: none")
@@ -35,14 +37,16 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     if (args.records is None) == (args.from_features is None):
         raise ValueError("give --records R.jsonl (build) or --from-features DIR (select), one of the two")
-    if (args.from_features is None) != (args.max_record_tokens is None):
-        raise ValueError("--from-features DIR and --max-record-tokens N go together")
+    selects = args.max_record_tokens is not None or args.first_record > 0
+    if (args.from_features is None) == selects:
+        raise ValueError("--from-features DIR goes with --max-record-tokens N and/or --first-record M, and they "
+                         "with it")
     if args.from_features:
         from ..datasets.features import select_features
 
-        info = select_features(args.from_features, args.out, max_record_tokens=args.max_record_tokens)
-        print(f"{info['records']} records ({info['tokens']} tokens) shorter than {args.max_record_tokens} copied "
-              f"by this run -> {args.out}")
+        info = select_features(args.from_features, args.out, max_record_tokens=args.max_record_tokens,
+                               first_record=args.first_record)
+        print(f"{info['records']} records ({info['tokens']} tokens) copied by this run -> {args.out}")
         return 0
     from ..assets import default_gguf_path
     from ..checkpoint.hf import load_model

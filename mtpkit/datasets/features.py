@@ -212,18 +212,23 @@ def build_features(model, tokenizer, records, out, *, topk: int = 0, hidden_dtyp
             batch_tokens=batch_tokens, row_tokens=row_tokens, progress=progress)
 
 
-def select_features(src, out, *, max_record_tokens: int) -> dict:
-    """Copy the records of the finished features directory `src` shorter than max_record_tokens into a new
-    features directory `out`, without running the trunk: a second source that reweights them, e.g. the short
-    records read twice an epoch beside long-input ones (data.features = [src, out]). The copy is the directory
+def select_features(src, out, *, max_record_tokens: int | None = None, first_record: int = 0) -> dict:
+    """Copy the records of the finished features directory `src` from index first_record on (those a resumed
+    distillation appended) and shorter than max_record_tokens (None: any length) into a new features directory
+    `out`, without running the trunk: a source of the new records alone, or a second one that reweights the short
+    records, read twice an epoch beside long-input ones (data.features = [src, out]). The copy is the directory
     `mtpkit features` would build from those records alone (same arrays, same records checksum). Rerunning a
     finished copy does nothing. Returns {"records", "tokens"}."""
     store = FeatureStore(src)
     off = store.offsets
-    keep = np.nonzero(np.diff(off) < max_record_tokens)[0]
+    lengths = np.diff(off)
+    if not 0 <= first_record < len(lengths):
+        raise DataError(f"--first-record {first_record} is outside {store.root}'s {len(lengths)} records: give "
+                        f"0 to {len(lengths) - 1}")
+    keep = first_record + np.nonzero(lengths[first_record:] < (max_record_tokens or off[-1] + 1))[0]
     if not len(keep):
-        raise DataError(f"{store.root} holds no record shorter than {max_record_tokens} tokens: raise "
-                        "--max-record-tokens")
+        raise DataError(f"{store.root} holds no record from {first_record} on shorter than {max_record_tokens} "
+                        "tokens: raise --max-record-tokens")
     rows = np.concatenate([np.arange(off[r], off[r + 1]) for r in keep])
     docs = [(store.input_ids[off[r]:off[r + 1]], store.loss_mask[off[r]:off[r + 1]]) for r in keep]
     writer = "mtpkit features --from-features"
@@ -240,7 +245,7 @@ def select_features(src, out, *, max_record_tokens: int) -> dict:
             if any(old.get(k) != v for k, v in meta.items() if k != "sources"):
                 raise DataError(f"{out} holds another selection: use another --out or delete that directory")
             return {"records": 0, "tokens": 0}
-        np.save(out / "offsets.npy", np.concatenate([[0], np.cumsum(np.diff(off)[keep])]).astype(np.int64))
+        np.save(out / "offsets.npy", np.concatenate([[0], np.cumsum(lengths[keep])]).astype(np.int64))
         step = 1 << 18  # rows per copied slab: bounded memory for any directory size
         for name, (shape, dtype) in array_shapes(store.meta).items():
             if name == "offsets":

@@ -368,24 +368,29 @@ def test_features_command_builds_resumes_and_reports_bad_input_in_one_line(tiny,
         assert "--device cuda: no CUDA device is visible; use --device cpu" in err and len(err.splitlines()) == 1
 
 
-def test_selected_short_records_are_the_directory_their_records_alone_build(tiny, tmp_path, capsys):
-    """`mtpkit features --from-features DIR --max-record-tokens N` copies the records shorter than N: the same
-    arrays, offsets and records checksum as `mtpkit features` over those records alone; the pair reads as one
-    source with the short records twice; a rerun is a no-op; bad selections fail in one line."""
+@pytest.mark.parametrize("select", [("--max-record-tokens", "40"), ("--first-record", "9"),
+                                    ("--first-record", "9", "--max-record-tokens", "40")])
+def test_selected_records_are_the_directory_their_records_alone_build(tiny, tmp_path, capsys, select):
+    """`mtpkit features --from-features DIR` with --max-record-tokens N (records shorter than N) and/or
+    --first-record M (records from index M on) copies the same arrays, offsets and records checksum as
+    `mtpkit features` over those records alone; the pair reads as one source with them twice; a rerun is a no-op;
+    bad selections fail in one line."""
     from mtpkit.cli import main
 
     model_dir, records, tok = tiny
     kw = dict(topk=4, hidden_dtype="float32", compute="float32", progress=False)
     build_features(_trunk(model_dir), tok, records, tmp_path / "all", **kw)
     lines = records.read_text().splitlines(keepends=True)
-    short = [line for line in lines if len(json.loads(line)["input_ids"]) < 40]
-    assert 0 < len(short) < len(lines)
-    (tmp_path / "short.jsonl").write_text("".join(short))
-    build_features(_trunk(model_dir), tok, tmp_path / "short.jsonl", tmp_path / "built", **kw)
+    opts = dict(zip(select[::2], map(int, select[1::2])))
+    first, most = opts.get("--first-record", 0), opts.get("--max-record-tokens", 10**9)
+    chosen = [line for line in lines[first:] if len(json.loads(line)["input_ids"]) < most]
+    assert 0 < len(chosen) < len(lines)
+    (tmp_path / "chosen.jsonl").write_text("".join(chosen))
+    build_features(_trunk(model_dir), tok, tmp_path / "chosen.jsonl", tmp_path / "built", **kw)
 
-    args = ["features", "--from-features", str(tmp_path / "all"), "--max-record-tokens", "40", "--out"]
+    args = ["features", "--from-features", str(tmp_path / "all"), *select, "--out"]
     assert main([*args, str(tmp_path / "sel")]) == 0
-    assert f"{len(short)} records" in capsys.readouterr().out
+    assert f"{len(chosen)} records" in capsys.readouterr().out
     sel, built = FeatureStore(tmp_path / "sel"), FeatureStore(tmp_path / "built")
     for key in ("records", "tokens", "records_sha", "model", "topk", "hidden_dtype"):
         assert sel.meta[key] == built.meta[key]
@@ -397,13 +402,14 @@ def test_selected_short_records_are_the_directory_their_records_alone_build(tiny
     torch.testing.assert_close(got["topk_logprobs"], want["topk_logprobs"], rtol=0, atol=1e-5)
 
     both = FeatureStores([tmp_path / "all", tmp_path / "sel"])
-    assert len(both.documents()) == len(lines) + len(short)
+    assert len(both.documents()) == len(lines) + len(chosen)
     assert main([*args, str(tmp_path / "sel")]) == 0  # finished: nothing copied again
     assert "0 records" in capsys.readouterr().out
 
-    for bad, why in ((["--max-record-tokens", "5"], "no record shorter than 5 tokens"),
-                     (["--max-record-tokens", "60"], "another selection"),
-                     ([], "go together")):
+    for bad, why in ((["--max-record-tokens", "5"], "no record from 0 on shorter than 5 tokens"),
+                     (["--first-record", str(len(lines))], f"outside {tmp_path / 'all'}'s {len(lines)} records"),
+                     (["--first-record", "1", "--max-record-tokens", "60"], "another selection"),
+                     ([], "goes with")):
         argv = ["features", "--from-features", str(tmp_path / "all"), *bad, "--out", str(tmp_path / "sel")]
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()

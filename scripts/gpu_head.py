@@ -24,6 +24,7 @@ Stages, each a mtpkit command or function, logged to OUT/log.txt; a rerun with t
     python scripts/gpu_head.py --out OUT --device cpu --budget 6600        # the recipe at a CPU's scale
     python scripts/gpu_head.py --out OUT --device cpu --measure new=HEAD   # the measure stage alone: shipped vs HEAD
     python scripts/gpu_head.py --out OUT --device cpu --no-shipped --measure a=HEAD_A b=HEAD_B   # two heads alone
+    python scripts/gpu_head.py --out OUT --device cpu --no-shipped --against OLD/summary.json:a --measure b=HEAD_B
 
 Every stage stops in time: distillation takes --max-minutes, training is sent SIGTERM at its share of the budget
 (it checkpoints and stops), and the measurements take what is left. The long prompts are built (reading installed
@@ -216,16 +217,27 @@ def train(job: Job, parts: dict[Path, Path], seconds: float, device: str, size: 
     return head if rc == 0 else None
 
 
+def _kept(figures: dict) -> list[list[int]]:
+    """Tokens kept per prompt at k = 1 and 3: lossless drafting keeps the same whatever the head."""
+    return [[sum(steps) for steps in figures[k]["lengths"]] for k in ("k1", "k3")]
+
+
 @torch.inference_mode()
-def measure(job: Job, heads: dict[str, Path], device: str, size: dict) -> dict:
+def measure(job: Job, heads: dict[str, Path], device: str, size: dict, known: dict | None = None) -> dict:
     """Mean acceptance length at k = 1 and 3 (chain, greedy) per held-out set and context length, for each head,
     with its standard error over prompts and the tokens kept per step of every prompt; then each head against the
-    first (the shipped one, unless --no-shipped), paired over the same prompts (`bench/acceptance_se.py`)."""
+    first (the shipped one, unless --no-shipped; or `known`, {name: figures} of an earlier run, not decoded again),
+    paired over the same prompts (`bench/acceptance_se.py`)."""
     tok = load_tokenizer(default_gguf_path())  # the heads sit on one trunk: its prompts are tokenized once
     sets = {f: encode_prompts(read_prompts(resource(f))[: size["limit"] or None], tok) for f in HELD_OUT}
     by_length = context_prompts(python_docs(), tok, list(size["contexts"]), size["limit"] or 8)
     sets.update({f"context_{n}": prompts for n, prompts in by_length.items()})
-    result = {}
+    for name, figures in (known or {}).items():
+        other = [s for s, prompts in sets.items() if figures.get(s, {}).get("prompts") != len(prompts)]
+        if other:
+            raise SystemExit(f"{name}'s earlier figures cover other prompts in {', '.join(other)}: measure it with "
+                             "the same size")
+    result = dict(known or {})
     for name, head in heads.items():
         model = load_for_decoding(head=head).model.eval().to(device)
         result[name] = {}
@@ -245,6 +257,9 @@ def measure(job: Job, heads: dict[str, Path], device: str, size: dict) -> dict:
     base, *others = result
     for name in others:
         for set_name, figures in result[name].items():
+            if set_name not in result[base] or _kept(figures) != _kept(result[base][set_name]):
+                raise SystemExit(f"{name} and {base} kept other token counts in {set_name} (lossless drafting keeps "
+                                 "the same): measure both on the same prompts, size and --eval-tokens")
             paired = {}
             for key in ("k1", "k3"):
                 diff, se = paired_difference_se(figures[key]["lengths"], result[base][set_name][key]["lengths"])
@@ -266,6 +281,9 @@ def main() -> int:
                     "and these (a head trained elsewhere, e.g. on a CPU), into OUT/summary.json")
     ap.add_argument("--no-shipped", action="store_true", help="with --measure: leave the shipped head out (its "
                     "figures do not change run to run); the others are paired against the first given")
+    ap.add_argument("--against", metavar="SUMMARY:NAME", help="with --no-shipped: pair the heads against head "
+                    "NAME's figures in an earlier run's SUMMARY (summary.json, same size and --eval-tokens) instead "
+                    "of decoding it again")
     ap.add_argument("--eval-tokens", type=int, help="new tokens a prompt in the measure stage (default: the size's)")
     ap.add_argument("--eval-batch", type=int, help="prompts decoded together in the measure stage")
     ap.add_argument("--docs", type=Path, help="document records to train on (python -m mtpkit.datasets.documents); "
@@ -276,6 +294,15 @@ def main() -> int:
         ap.error("--measure takes NAME=HEAD pairs, e.g. new=runs/head.safetensors")
     if args.no_shipped and not pairs:
         ap.error("--no-shipped goes with --measure NAME=HEAD ...")
+    known = None
+    if args.against:
+        path, _, base = args.against.rpartition(":")
+        if not args.no_shipped or not path:
+            ap.error("--against SUMMARY:NAME goes with --no-shipped --measure NAME=HEAD ...")
+        earlier = json.loads(Path(path).read_text()).get("acceptance", {})
+        if base not in earlier:
+            ap.error(f"--against: {path} holds no head {base!r} (it holds {', '.join(earlier) or 'none'})")
+        known = {base: earlier[base]}
     size = dict(SIZES["tiny" if args.tiny else args.size or ("gpu" if args.device == "cuda" else "cpu")])
     size.update({k: v for k, v in (("eval_tokens", args.eval_tokens), ("eval_batch", args.eval_batch)) if v})
     out = Path(args.out)
@@ -289,7 +316,7 @@ def main() -> int:
     if args.measure:
         heads = {} if args.no_shipped else {"shipped": SHIPPED}
         heads.update({name: Path(head) for name, _, head in pairs})
-        summary["acceptance"] = measure(job, heads, args.device, size)
+        summary["acceptance"] = measure(job, heads, args.device, size, known)
         summary_path.write_text(json.dumps(summary, indent=1))
         return 0
 

@@ -225,7 +225,8 @@ def select_features(src, out, *, max_record_tokens: int | None = None, first_rec
     if not 0 <= first_record < len(lengths):
         raise DataError(f"--first-record {first_record} is outside {store.root}'s {len(lengths)} records: give "
                         f"0 to {len(lengths) - 1}")
-    keep = first_record + np.nonzero(lengths[first_record:] < (max_record_tokens or off[-1] + 1))[0]
+    tail = lengths[first_record:]
+    keep = first_record + np.nonzero(tail < max_record_tokens if max_record_tokens is not None else tail >= 0)[0]
     if not len(keep):
         raise DataError(f"{store.root} holds no record from {first_record} on shorter than {max_record_tokens} "
                         "tokens: raise --max-record-tokens")

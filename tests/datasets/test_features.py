@@ -407,6 +407,7 @@ def test_selected_records_are_the_directory_their_records_alone_build(tiny, tmp_
     assert "0 records" in capsys.readouterr().out
 
     for bad, why in ((["--max-record-tokens", "5"], "no record from 0 on shorter than 5 tokens"),
+                     (["--max-record-tokens", "0"], "no record from 0 on shorter than 0 tokens"),
                      (["--first-record", str(len(lines))], f"outside {tmp_path / 'all'}'s {len(lines)} records"),
                      (["--first-record", "1", "--max-record-tokens", "60"], "another selection"),
                      ([], "goes with")):

@@ -196,11 +196,13 @@ def epoch_parts(parts: dict[Path, Path]) -> list[str]:
 def train(job: Job, parts: dict[Path, Path], seconds: float, device: str, size: dict) -> Path | None:
     """The shipped head trained on the feature directories `parts` (features -> the records they hold), in a run
     directory of its own per set of parts (a rerun that adds the documents trains afresh, one with the same parts
-    resumes); None if training failed."""
+    resumes); None if training failed. The head keeps drafting over the shipped head's ids (`mtp.draft_vocab = 0`):
+    re-derived from long-input-heavy records they moved toward the documents' words and the short prompts lost."""
     run_dir = job.out / "_".join(["train"] + [f.name.removeprefix("features_") for f in parts])
     seq_len = -(-longest_record(*parts.values()) // 64) * 64  # rows hold the longest record whole, in blocks of 64
     rc = job.run(["train", str(REPO / "configs/smollm2_mtp_head.toml"), "--mtp.init=checkpoint",
-                  f"--mtp.init_from={SHIPPED}", "--data.features=" + json.dumps(epoch_parts(parts)),
+                  f"--mtp.init_from={SHIPPED}", "--mtp.draft_vocab=0",
+                  "--data.features=" + json.dumps(epoch_parts(parts)),
                   "--mtp.head_loss=greedy", "--data.train_on_inputs=true", f"--data.seq_len={seq_len}",
                   "--data.whole_documents=true",
                   f"--train.run_dir={run_dir}", f"--train.device={device}",
@@ -222,6 +224,12 @@ def _kept(figures: dict) -> list[list[int]]:
     return [[sum(steps) for steps in figures[k]["lengths"]] for k in ("k1", "k3")]
 
 
+def _own_figures(by_set: dict) -> dict:
+    """An earlier run's figures of a head without its pairings there (against another base, stale here)."""
+    return {s: {key: {k: v for k, v in f.items() if not k.startswith("minus_")} if isinstance(f, dict) else f
+                for key, f in figures.items()} for s, figures in by_set.items()}
+
+
 @torch.inference_mode()
 def measure(job: Job, heads: dict[str, Path], device: str, size: dict, known: dict | None = None) -> dict:
     """Mean acceptance length at k = 1 and 3 (chain, greedy) per held-out set and context length, for each head,
@@ -237,7 +245,7 @@ def measure(job: Job, heads: dict[str, Path], device: str, size: dict, known: di
         if other:
             raise SystemExit(f"{name}'s earlier figures cover other prompts in {', '.join(other)}: measure it with "
                              "the same size")
-    result = dict(known or {})
+    result = {name: _own_figures(by_set) for name, by_set in (known or {}).items()}
     for name, head in heads.items():
         model = load_for_decoding(head=head).model.eval().to(device)
         result[name] = {}

@@ -161,8 +161,24 @@ def render_contexts(report: dict) -> str:
             lines.append(f"  {c['context_tokens']:>7} {r['prompts']:>7} {label(r):<11} {r['acceptance_rate']:>6.0%} "
                          f"{r['mean_acceptance_length']:>9.2f} {be:>11} {speedup}  {pos:<24}  "
                          f"{mark[r.get('identical')]}")
+    lines += _first_draft_shares(report["contexts"])
     lines.append(RULE)
     return "\n".join(lines)
+
+
+def _first_draft_shares(contexts: list[dict]) -> list[str]:
+    """Per row, each context's first-draft acceptance as a share of the shortest context's: the fall with context
+    length that long-context training is meant to flatten, read off directly."""
+    if len(contexts) < 2:
+        return []
+    lines = ["", f"  first drafts kept, as a share of the value at {contexts[0]['context_tokens']} context tokens:"]
+    for j, r0 in enumerate(contexts[0]["runs"]):
+        base = r0["accepted_per_position"][0]
+        shares = "  ".join(f"{c['context_tokens']}: "
+                           + (f"{c['runs'][j]['accepted_per_position'][0] / base:.2f}" if base else "-")
+                           for c in contexts[1:])
+        lines.append(f"  {label(r0):<11} {shares}")
+    return lines
 
 
 def _save(fig, path) -> Path:

@@ -199,6 +199,24 @@ def test_bench_cli_context_lengths(llama_dir, tmp_path, capsys):
     assert render_contexts(report) in out
 
 
+def test_render_contexts_first_draft_shares():
+    """The sweep's table ends with each row's first-draft acceptance as a share of the shortest context's."""
+    def run(k, first):
+        return {"draft_tokens": k, "prompts": 7, "acceptance_rate": first, "mean_acceptance_length": 1 + first,
+                "accepted_per_position": [first] + [first / 2] * (k - 1)}
+
+    report = {"model": "m", "mtp_head": "h", "source": "docs", "num_tokens": 64, "dtype": "float32",
+              "device": "cpu", "threads": 2, "contexts": [
+                  {"context_tokens": L, "batch_size": 8, "runs": [run(1, a), run(3, b)]}
+                  for L, a, b in ((128, 0.5, 0.4), (2048, 0.45, 0.2), (4096, 0.5, 0.0))]}
+    text = render_contexts(report)
+    assert "share of the value at 128 context tokens" in text
+    assert "k=1         2048: 0.90  4096: 1.00" in text
+    assert "k=3         2048: 0.50  4096: 0.00" in text
+    one = render_contexts({**report, "contexts": report["contexts"][:1]})
+    assert "share of the value" not in one
+
+
 def test_bench_cli_context_lengths_acceptance_only(llama_dir, tmp_path, capsys):
     """The sweep without timing (heads compared across context lengths quickly) gives the timed sweep's acceptance."""
     docs = tmp_path / "docs.jsonl"

@@ -316,14 +316,15 @@ def test_features_of_several_directories_train_as_one_directory(tiny, tmp_path):
     assert swapped[0]["mtp_loss"] != pytest.approx(one[0]["mtp_loss"], rel=1e-6)
     # a directory named twice is read twice an epoch: its records again, the same stored rows
     twice = FeatureStores([tmp_path / "a", tmp_path / "b", tmp_path / "b"])
-    n_a, b_docs = len(FeatureStores(tmp_path / "a").documents()), FeatureStores(tmp_path / "b").documents()
+    b_alone = FeatureStores(tmp_path / "b")
+    n_a, b_docs = len(FeatureStores(tmp_path / "a").documents()), b_alone.documents()
     docs = twice.documents()
     assert len(docs) == n_a + 2 * len(b_docs)
     first, second = docs[n_a : n_a + len(b_docs)], docs[n_a + len(b_docs) :]
     for (rows, _), (again, _), (own, _) in zip(first, second, b_docs, strict=True):
         assert not np.array_equal(rows, again)
         for got in (twice.gather(rows), twice.gather(again)):
-            for key, want in FeatureStores(tmp_path / "b").gather(own).items():
+            for key, want in b_alone.gather(own).items():
                 assert torch.equal(got[key], want)
 
     build_features(trunk, tok, tmp_path / "b.jsonl", tmp_path / "b_topk", topk=4, **kw)

@@ -157,11 +157,11 @@ def measure(model, hf, batch: int, new_tokens: int, prompt_len: int, repeats: in
     moved = decode_bytes(model, batch, prompt_len)
     rec["decode_bytes"] = moved
     # significant digits, not decimals: a tiny model on a busy CPU moves under 0.05% of the bandwidth
-    rec["achieved_GBps"] = _significant(moved / times["decode"] / 1e9)
+    rec["achieved_GBps"] = float(f"{moved / times['decode'] / 1e9:.3g}")
     if peak_bw:
-        rec["fraction_of_peak_bandwidth"] = _significant(moved / times["decode"] / peak_bw)
+        rec["fraction_of_peak_bandwidth"] = float(f"{moved / times['decode'] / peak_bw:.3g}")
     if copy_bw:
-        rec["fraction_of_measured_bandwidth"] = _significant(moved / times["decode"] / copy_bw)
+        rec["fraction_of_measured_bandwidth"] = float(f"{moved / times['decode'] / copy_bw:.3g}")
     if hf is not None:
         _hf_generate(hf, ids[:, :8].to(device), 4)  # warm-up
         tokens, sec = _hf_generate(hf, ids.to(device), new_tokens)
@@ -227,7 +227,3 @@ def summary(section: dict) -> str:
         parts.append(part)
     errors = sum("error" in r for r in section.get("runs", []))
     return "decoding: " + "; ".join(parts) + (f" ({errors} errors)" if errors else "")
-
-
-def _significant(x: float, digits: int = 3) -> float:
-    return float(f"{x:.{digits}g}")

@@ -25,6 +25,7 @@ Stages, each a mtpkit command or function, logged to OUT/log.txt; a rerun with t
     python scripts/gpu_head.py --out OUT --device cpu --measure new=HEAD   # the measure stage alone: shipped vs HEAD
     python scripts/gpu_head.py --out OUT --device cpu --no-shipped --measure a=HEAD_A b=HEAD_B   # two heads alone
     python scripts/gpu_head.py --out OUT --device cpu --no-shipped --against OLD/summary.json:a --measure b=HEAD_B
+    python scripts/gpu_head.py --out OUT --device cpu --no-shipped --against A/summary.json:a B/summary.json:b
 
 Every stage stops in time: distillation takes --max-minutes, training is sent SIGTERM at its share of the budget
 (it checkpoints and stops), and the measurements take what is left. The long prompts are built (reading installed
@@ -51,7 +52,7 @@ import torch
 
 import mtpkit
 from mtpkit.assets import default_gguf_path
-from mtpkit.bench.acceptance_se import decode_rows, length_figures, paired_difference_se
+from mtpkit.bench.acceptance_se import decode_rows, length_figures, pair_with_first
 from mtpkit.bench.contexts import context_prompts, python_docs
 from mtpkit.loading import load_for_decoding
 from mtpkit.prompts import encode_prompts, read_prompts
@@ -219,11 +220,6 @@ def train(job: Job, parts: dict[Path, Path], seconds: float, device: str, size: 
     return head if rc == 0 else None
 
 
-def _kept(figures: dict) -> list[list[int]]:
-    """Tokens kept per prompt at k = 1 and 3: lossless drafting keeps the same whatever the head."""
-    return [[sum(steps) for steps in figures[k]["lengths"]] for k in ("k1", "k3")]
-
-
 def _own_figures(by_set: dict) -> dict:
     """An earlier run's figures of a head without its pairings there (against another base, stale here)."""
     return {s: {key: {k: v for k, v in f.items() if not k.startswith("minus_")} if isinstance(f, dict) else f
@@ -234,8 +230,8 @@ def _own_figures(by_set: dict) -> dict:
 def measure(job: Job, heads: dict[str, Path], device: str, size: dict, known: dict | None = None) -> dict:
     """Mean acceptance length at k = 1 and 3 (chain, greedy) per held-out set and context length, for each head,
     with its standard error over prompts and the tokens kept per step of every prompt; then each head against the
-    first (the shipped one, unless --no-shipped; or `known`, {name: figures} of an earlier run, not decoded again),
-    paired over the same prompts (`bench/acceptance_se.py`)."""
+    first (the shipped one, unless --no-shipped; or the first of `known`, {name: figures} of earlier runs, which are
+    not decoded again), paired over the same prompts (`bench/acceptance_se.py`)."""
     tok = load_tokenizer(default_gguf_path())  # the heads sit on one trunk: its prompts are tokenized once
     sets = {f: encode_prompts(read_prompts(resource(f))[: size["limit"] or None], tok) for f in HELD_OUT}
     by_length = context_prompts(python_docs(), tok, list(size["contexts"]), size["limit"] or 8)
@@ -262,18 +258,14 @@ def measure(job: Job, heads: dict[str, Path], device: str, size: dict, known: di
             job.log(f"measure: {name} {set_name}: " + ", ".join(
                 f"k{k} {figures[f'k{k}']['mean_acceptance_length']:.3f} +- {figures[f'k{k}']['se']:.3f}"
                 for k in (1, 3)))
-    base, *others = result
-    for name in others:
-        for set_name, figures in result[name].items():
-            if set_name not in result[base] or _kept(figures) != _kept(result[base][set_name]):
-                raise SystemExit(f"{name} and {base} kept other token counts in {set_name} (lossless drafting keeps "
-                                 "the same): measure both on the same prompts, size and --eval-tokens")
-            paired = {}
-            for key in ("k1", "k3"):
-                diff, se = paired_difference_se(figures[key]["lengths"], result[base][set_name][key]["lengths"])
-                paired[key] = figures[key][f"minus_{base}"] = {"difference": diff, "se": se}
-            job.log(f"measure: {name} - {base} {set_name}: " + ", ".join(
-                f"{key} {d['difference']:+.3f} +- {d['se']:.3f}" for key, d in paired.items()))
+    try:
+        rows = pair_with_first(result)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    base = next(iter(result))
+    for name, set_name, paired in rows:
+        job.log(f"measure: {name} - {base} {set_name}: " + ", ".join(
+            f"{key} {d['difference']:+.3f} +- {d['se']:.3f}" for key, d in paired.items()))
     return result
 
 
@@ -289,9 +281,10 @@ def main() -> int:
                     "and these (a head trained elsewhere, e.g. on a CPU), into OUT/summary.json")
     ap.add_argument("--no-shipped", action="store_true", help="with --measure: leave the shipped head out (its "
                     "figures do not change run to run); the others are paired against the first given")
-    ap.add_argument("--against", metavar="SUMMARY:NAME", help="with --no-shipped: pair the heads against head "
-                    "NAME's figures in an earlier run's SUMMARY (summary.json, same size and --eval-tokens) instead "
-                    "of decoding it again")
+    ap.add_argument("--against", nargs="+", metavar="SUMMARY:NAME", help="with --no-shipped: pair the heads "
+                    "against head NAME's figures in an earlier run's SUMMARY (summary.json, same size and "
+                    "--eval-tokens) instead of decoding it again; the heads of further SUMMARY:NAMEs are paired "
+                    "against the first from their figures too (no --measure needed: two earlier runs compared)")
     ap.add_argument("--eval-tokens", type=int, help="new tokens a prompt in the measure stage (default: the size's)")
     ap.add_argument("--eval-batch", type=int, help="prompts decoded together in the measure stage")
     ap.add_argument("--docs", type=Path, help="document records to train on (python -m mtpkit.datasets.documents); "
@@ -300,17 +293,19 @@ def main() -> int:
     pairs = [spec.partition("=") for spec in args.measure or ()]
     if any(not name or not head for name, _, head in pairs):
         ap.error("--measure takes NAME=HEAD pairs, e.g. new=runs/head.safetensors")
-    if args.no_shipped and not pairs:
-        ap.error("--no-shipped goes with --measure NAME=HEAD ...")
-    known = None
-    if args.against:
-        path, _, base = args.against.rpartition(":")
+    if args.no_shipped and not pairs and len(args.against or ()) < 2:
+        ap.error("--no-shipped goes with --measure NAME=HEAD ... (or two --against figures)")
+    known = {}
+    for spec in args.against or ():
+        path, _, name = spec.rpartition(":")
         if not args.no_shipped or not path:
             ap.error("--against SUMMARY:NAME goes with --no-shipped --measure NAME=HEAD ...")
         earlier = json.loads(Path(path).read_text()).get("acceptance", {})
-        if base not in earlier:
-            ap.error(f"--against: {path} holds no head {base!r} (it holds {', '.join(earlier) or 'none'})")
-        known = {base: earlier[base]}
+        if name not in earlier:
+            ap.error(f"--against: {path} holds no head {name!r} (it holds {', '.join(earlier) or 'none'})")
+        if name in known or name in {n for n, _, _ in pairs}:
+            ap.error(f"--against: head {name!r} is named twice; each head needs its own name")
+        known[name] = earlier[name]
     size = dict(SIZES["tiny" if args.tiny else args.size or ("gpu" if args.device == "cuda" else "cpu")])
     size.update({k: v for k, v in (("eval_tokens", args.eval_tokens), ("eval_batch", args.eval_batch)) if v})
     out = Path(args.out)
@@ -321,7 +316,7 @@ def main() -> int:
     summary["device"] = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     summary["torch"] = torch.__version__
     job.log(f"start: {summary['device']}, budget {args.budget:.0f} s")
-    if args.measure:
+    if args.measure or known:
         heads = {} if args.no_shipped else {"shipped": SHIPPED}
         heads.update({name: Path(head) for name, _, head in pairs})
         summary["acceptance"] = measure(job, heads, args.device, size, known)

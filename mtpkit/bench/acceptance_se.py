@@ -62,3 +62,30 @@ def paired_difference_se(a: list[list[int]], b: list[list[int]]) -> tuple[float,
     rb, zb = _residuals([b[i] for i in keep])
     d = [x - y for x, y in zip(za, zb)]
     return ra - rb, (statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan"))
+
+
+def kept_tokens(figures: dict) -> dict[str, list[int]]:
+    """Tokens kept per prompt at each draft count of one head's figures on one prompt set ({"k1": {"lengths": ...},
+    ...}): lossless drafting keeps the same tokens whatever the head, so two heads' counts match on the same prompts."""
+    return {key: [sum(steps) for steps in f["lengths"]] for key, f in figures.items()
+            if isinstance(f, dict) and "lengths" in f}
+
+
+def pair_with_first(result: dict) -> list[tuple[str, str, dict]]:
+    """Each head of `result` ({head: {set: {"k1": {"lengths": ...}, ...}}}) after the first, paired with the first
+    over the same prompts: writes {"difference", "se"} into its figures as "minus_<first>" at each draft count and
+    returns (head, set, {draft count: pair}) in order. Counts of kept tokens that differ mean other prompts or settings
+    (a ValueError), not another head."""
+    base, *others = result
+    rows = []
+    for name in others:
+        for set_name, figures in result[name].items():
+            if set_name not in result[base] or kept_tokens(figures) != kept_tokens(result[base][set_name]):
+                raise ValueError(f"{name} and {base} kept other token counts in {set_name} (lossless drafting keeps "
+                                 "the same): measure both on the same prompts, size and --eval-tokens")
+            paired = {}
+            for key in kept_tokens(figures):
+                diff, se = paired_difference_se(figures[key]["lengths"], result[base][set_name][key]["lengths"])
+                paired[key] = figures[key][f"minus_{base}"] = {"difference": diff, "se": se}
+            rows.append((name, set_name, paired))
+    return rows

@@ -80,11 +80,12 @@ def pair_with_first(result: dict) -> list[tuple[str, str, dict]]:
     rows = []
     for name in others:
         for set_name, figures in result[name].items():
-            if set_name not in result[base] or kept_tokens(figures) != kept_tokens(result[base][set_name]):
+            kept = kept_tokens(figures)
+            if set_name not in result[base] or kept != kept_tokens(result[base][set_name]):
                 raise ValueError(f"{name} and {base} kept other token counts in {set_name} (lossless drafting keeps "
                                  "the same): measure both on the same prompts, size and --eval-tokens")
             paired = {}
-            for key in kept_tokens(figures):
+            for key in kept:
                 diff, se = paired_difference_se(figures[key]["lengths"], result[base][set_name][key]["lengths"])
                 paired[key] = figures[key][f"minus_{base}"] = {"difference": diff, "se": se}
             rows.append((name, set_name, paired))
